@@ -1,0 +1,27 @@
+"""autosac: fit a PyTorch training step into a memory budget with the least slowdown.
+
+Pipeline: :func:`profile` (trace) -> :class:`ModelStats` -> solve -> Plan -> apply.
+"""
+
+__version__ = "0.1.0"
+
+from autosac.devices import DEVICES, DeviceSpec  # noqa: E402
+from autosac.errors import (  # noqa: E402
+    InfeasibleBudgetError,
+    NothingToCheckpointError,
+    StatsFormatError,
+    TraceError,
+)
+from autosac.stats import ModelStats  # noqa: E402
+from autosac.trace import profile  # noqa: E402
+
+__all__ = [
+    "DEVICES",
+    "DeviceSpec",
+    "InfeasibleBudgetError",
+    "ModelStats",
+    "NothingToCheckpointError",
+    "StatsFormatError",
+    "TraceError",
+    "profile",
+]

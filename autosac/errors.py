@@ -1,0 +1,21 @@
+"""Errors a user can cause, each with a message that names the fix."""
+
+
+class TraceError(RuntimeError):
+    """The model's training step could not be traced (its forward raised, or inputs don't fit)."""
+
+
+class NothingToCheckpointError(ValueError):
+    """The step has no gradient to compute, so there is no activation to checkpoint."""
+
+
+class StatsFormatError(ValueError):
+    """A ModelStats or Plan file is malformed or from an incompatible version."""
+
+
+class InfeasibleBudgetError(ValueError):
+    """No plan reaches the budget; ``min_feasible_bytes`` is the least budget that works."""
+
+    def __init__(self, message: str, min_feasible_bytes: int) -> None:
+        super().__init__(message)
+        self.min_feasible_bytes = min_feasible_bytes

@@ -1,0 +1,24 @@
+"""A model's fingerprint: its module tree and parameter shapes, hashed, so a
+plan made for one model is refused by another."""
+
+from __future__ import annotations
+
+import hashlib
+
+from torch import nn
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """Hex digest over module fqns and types and parameter fqns, shapes and dtypes.
+
+    Example::
+
+        >>> model_fingerprint(nn.Linear(2, 3)) == model_fingerprint(nn.Linear(2, 3))
+        True
+    """
+    h = hashlib.sha256()
+    for fqn, mod in model.named_modules():
+        h.update(f"m|{fqn}|{type(mod).__name__}\n".encode())
+    for fqn, p in model.named_parameters():
+        h.update(f"p|{fqn}|{tuple(p.shape)}|{p.dtype}\n".encode())
+    return h.hexdigest()[:16]

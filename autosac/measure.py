@@ -1,0 +1,113 @@
+"""Measure real training steps on this machine: peak tensor bytes and step time.
+
+The peak comes from an independent source, never from autosac's tracer: the
+PyTorch profiler's allocator events (every allocation and free the allocator
+made during one step), added to the bytes of the tensors alive when the step
+starts (parameters, buffers, optimizer state, inputs).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from autosac.optim import OptimizerSpec, default_loss, make_optimizer
+
+
+@dataclass
+class Measurement:
+    """``peak_bytes``: most tensor bytes alive at once in one steady-state step;
+    ``step_ms``: median wall time of the timed steps; ``loss``: last step's loss."""
+
+    peak_bytes: int
+    step_ms: float
+    step_ms_all: list[float]
+    loss: float
+
+
+def _storage_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def measure(
+    model: nn.Module,
+    example_inputs,
+    loss_fn=None,
+    steps: int = 3,
+    optimizer: OptimizerSpec = "adamw",
+) -> Measurement:
+    """Run ``steps`` real training steps (after one warm-up that creates the
+    optimizer state) and one more under the profiler for the memory peak.
+
+    Args:
+        model: a model with real weights on the local device (CPU here).
+        example_inputs: a tensor, tuple of args, or dict of kwargs.
+        loss_fn: as in :func:`autosac.profile`.
+        steps: timed steps; their median is ``step_ms``.
+        optimizer: as in :func:`autosac.profile`; must match the profile to compare peaks.
+
+    Returns:
+        Measurement with ``.peak_bytes`` and ``.step_ms``.
+
+    Raises:
+        ValueError: ``steps < 1`` or a model on ``meta`` (nothing to run).
+
+    Example::
+
+        >>> m = autosac.measure(model, idx, steps=3)
+        >>> print(m.peak_bytes / 2**20, "MiB", m.step_ms, "ms")
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("the model is on meta: measure needs real weights (build it on cpu)")
+    loss_fn = loss_fn or default_loss
+    if isinstance(example_inputs, dict):
+        args, kwargs = (), example_inputs
+    elif isinstance(example_inputs, (tuple, list)):
+        args, kwargs = tuple(example_inputs), {}
+    else:
+        args, kwargs = (example_inputs,), {}
+    opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
+
+    def step() -> float:
+        loss = loss_fn(model(*args, **kwargs))
+        loss.backward()
+        value = float(loss.detach())
+        del loss
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        else:
+            model.zero_grad(set_to_none=True)
+        return value
+
+    step()  # creates optimizer state: later steps are steady-state
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loss = step()
+        times.append((time.perf_counter() - t0) * 1e3)
+
+    alive = list(model.parameters()) + list(model.buffers()) + list(tree_leaves((args, kwargs)))
+    if opt is not None:
+        alive += [t for st in opt.state.values() for t in st.values()]
+    base = _storage_bytes(alive)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    current = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        current += e.nbytes()
+        peak = max(peak, current)
+    return Measurement(base + peak, statistics.median(times), times, loss)

@@ -1,0 +1,191 @@
+"""ModelStats: everything the solver needs about one training step, as plain data.
+
+Produced by :func:`autosac.profile`, read by :func:`autosac.solve`.  Nothing in
+here refers to torch objects, so a profile can be saved, shipped and solved for
+many budgets without the model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+
+from autosac.errors import StatsFormatError
+
+STATS_FORMAT = 1
+
+
+@dataclass
+class SavedOp:
+    """One forward op whose output autograd keeps for backward.
+
+    ``module`` is the innermost module the op ran in; ``scope`` the innermost
+    module that contains both the op and every op that saved its output, so
+    checkpointing any module at or above ``scope`` may discard it.
+    ``occurrence`` counts earlier calls of the same op in ``module``'s forward.
+    """
+
+    id: int
+    op: str
+    module: str
+    scope: str
+    event: int
+    freed_event: int
+    bytes: int
+    ms: float
+    random: bool = False
+    view: bool = False
+    inplace: bool = False
+    param_cast: bool = False
+
+
+@dataclass
+class ModuleStats:
+    """Per-module memory, runtime and recompute tradeoff (bytes and ms).
+
+    ``*_total`` fields cover the module's whole subtree; others the module alone.
+    ``tradeoff`` is the exact convex curve of ``[bytes discarded, recompute ms]``
+    points from ``[0, 0]``, cheapest ms/byte first; ``fixed_recompute_ms`` is what
+    re-running the module's unsaved ops costs whenever it is checkpointed.
+    """
+
+    fqn: str
+    type: str
+    parent: str | None
+    children: list[str]
+    depth: int
+    calls: int
+    fw_pre_order: int
+    fw_post_order: int
+    bw_pre_order: int
+    bw_post_order: int
+    fw_windows: list[list[int]]
+    bw_window: list[int] | None
+    param_bytes: int
+    param_bytes_total: int
+    grad_bytes_total: int
+    optimizer_bytes_total: int
+    saved_bytes: int
+    saved_bytes_total: int
+    act_grad_bytes: int
+    input_bytes: int
+    output_bytes: int
+    fw_ms: float
+    bw_ms: float
+    fixed_recompute_ms: float
+    saved_op_ids: list[int] = field(default_factory=list)
+    discardable_bytes: int = 0
+    tradeoff: list[list[float]] = field(default_factory=list)
+    tradeoff_exact_points: int = 0
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+
+@dataclass
+class ParamStats:
+    fqn: str
+    module: str
+    shape: list[int]
+    dtype: str
+    bytes: int
+    requires_grad: bool
+    grad_bytes: int
+    optimizer_bytes: int
+    consumed_dtypes: list[str]
+
+
+@dataclass
+class Timeline:
+    """Columnar per-op record of the step: op name, phase, innermost module
+    (``None`` outside the model), live bytes after the op, and its ms."""
+
+    ops: list[str]
+    phases: list[str]
+    modules: list[str | None]
+    live_bytes: list[int]
+    ms: list[float]
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+
+@dataclass
+class ModelStats:
+    """One training step, profiled.  ``peak_bytes`` is the unconstrained peak.
+
+    Example::
+
+        >>> stats = autosac.profile(model, inputs, target="h100")
+        >>> stats.peak_bytes, stats.modules["blocks.0"].saved_bytes_total
+        >>> same = ModelStats.from_json(stats.to_json())
+    """
+
+    model: str
+    fingerprint: str
+    target: dict
+    world_size: int
+    optimizer: str
+    peak_bytes: int
+    peak_event: int
+    peak_module: str | None
+    peak_phase: str
+    peak_breakdown: dict[str, int]
+    param_bytes: int
+    buffer_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    input_bytes: int
+    param_cast_bytes: int
+    step_ms: float
+    forward_ms: float
+    backward_ms: float
+    optimizer_ms: float
+    root: str
+    modules: dict[str, ModuleStats]
+    params: dict[str, ParamStats]
+    saved_ops: list[SavedOp]
+    timeline: Timeline
+    unknown_flop_ops: list[str]
+    versions: dict[str, str]
+    format: int = STATS_FORMAT
+
+    def to_json(self) -> str:
+        """Serialise to a JSON string (no pickle; loads with :meth:`from_json`)."""
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelStats:
+        """Parse :meth:`to_json` output.
+
+        Raises:
+            StatsFormatError: the text is not a ModelStats of this format version.
+        """
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, TypeError) as e:
+            raise StatsFormatError(f"not a ModelStats JSON document: {e}") from None
+        if not isinstance(data, dict) or data.get("format") != STATS_FORMAT:
+            found = data.get("format") if isinstance(data, dict) else None
+            raise StatsFormatError(
+                f"ModelStats format {found!r} is not {STATS_FORMAT}: re-run autosac.profile with this version"
+            )
+        try:
+            data["modules"] = {k: ModuleStats(**v) for k, v in data["modules"].items()}
+            data["params"] = {k: ParamStats(**v) for k, v in data["params"].items()}
+            data["saved_ops"] = [SavedOp(**v) for v in data["saved_ops"]]
+            data["timeline"] = Timeline(**data["timeline"])
+            names = {f.name for f in fields(cls)}
+            return cls(**{k: v for k, v in data.items() if k in names})
+        except (KeyError, TypeError) as e:
+            raise StatsFormatError(f"malformed ModelStats JSON: {e}") from None
+
+    def subtree(self, fqn: str) -> list[str]:
+        """``fqn`` and all its descendants, in forward pre-order."""
+        out, todo = [], [fqn]
+        while todo:
+            m = todo.pop()
+            out.append(m)
+            todo.extend(reversed(self.modules[m].children))
+        return out

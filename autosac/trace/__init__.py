@@ -1,0 +1,83 @@
+"""Stage 1 of the pipeline: trace one training step into :class:`ModelStats`."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from autosac.devices import DeviceSpec, resolve_target
+from autosac.fingerprint import model_fingerprint
+from autosac.optim import OptimizerSpec, optimizer_name
+from autosac.stats import ModelStats
+from autosac.trace.aggregate import aggregate
+from autosac.trace.costs import CostModel
+from autosac.trace.step import trace_step
+
+__all__ = ["profile"]
+
+
+def profile(
+    model: nn.Module,
+    example_inputs,
+    loss_fn=None,
+    optimizer: OptimizerSpec = "adamw",
+    target: str | DeviceSpec = "h100",
+    world_size: int = 1,
+) -> ModelStats:
+    """Trace one training step (forward, loss, backward, optimizer step) under
+    FakeTensorMode and return its memory, runtime and recompute statistics.
+
+    No real memory is allocated and no weight is copied: the model may live on
+    ``meta`` or on the CPU with real weights, and inputs may be real, meta or fake.
+
+    Args:
+        model: the ``nn.Module`` to profile (left unchanged).
+        example_inputs: a tensor, a tuple of positional args, or a dict of kwargs.
+        loss_fn: ``loss_fn(output) -> scalar``; default: the output if scalar,
+            else ``output.float().sum()``.
+        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"none"`` or ``callable(params)``.
+        target: a device-table name (``"h100"``, ``"h200"``, ``"a100"``, ``"l4"``,
+            ``"cpu"`` = timed on this machine) or a :class:`DeviceSpec`.
+        world_size: ranks sharing params/grads/optimizer state (FSDP/ZeRO-3);
+            recorded for the solver.
+
+    Returns:
+        ModelStats: plain, JSON-serialisable statistics.
+
+    Raises:
+        NothingToCheckpointError: nothing requires grad / the loss is not differentiable.
+        TraceError: the forward raised (the message names the module) or inputs don't fit.
+        ValueError: an unknown target or optimizer, or ``world_size < 1``.
+
+    Example::
+
+        >>> with torch.device("meta"):
+        ...     model = GPT(GPTConfig(n_layer=2))
+        >>> stats = autosac.profile(model, torch.randint(0, 50304, (8, 1024), device="meta"))
+        >>> print(stats.peak_bytes / 2**30, stats.peak_phase)
+    """
+    spec = resolve_target(target)
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    cost = CostModel(spec)
+    step = trace_step(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, cost_model=cost)
+    if step.recording.unknown_ops:
+        warnings.warn(
+            "autosac: no FLOP formula for "
+            + ", ".join(sorted(step.recording.unknown_ops))
+            + "; timed as memory-bound",
+            stacklevel=2,
+        )
+    from autosac import __version__
+
+    return aggregate(
+        step,
+        model_name=type(model).__name__,
+        fingerprint=model_fingerprint(model),
+        target=spec.to_dict(),
+        world_size=world_size,
+        optimizer=optimizer_name(optimizer),
+        versions={"autosac": __version__, "torch": torch.__version__},
+    )

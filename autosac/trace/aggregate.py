@@ -1,0 +1,216 @@
+"""Turn a raw step :class:`Recording` into :class:`ModelStats`: the memory
+timeline and its peak, per-module memory and runtime, and the saved ops with
+each module's exact recompute tradeoff curve."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from autosac.stats import ModelStats, ModuleStats, SavedOp, Timeline
+from autosac.trace.recorder import StorageRecord
+from autosac.trace.step import TracedStep, _stack_of
+from autosac.trace.tradeoff import exact_curve
+
+_RANDOM_OPS = {
+    "native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like",
+    "randint", "randint_like", "randperm", "normal", "normal_", "uniform_", "multinomial",
+    "exponential_", "geometric_", "cauchy_", "log_normal_", "random_",
+}
+
+
+def _live_timeline(storages: list[StorageRecord], n: int) -> np.ndarray:
+    delta = np.zeros(n + 1, dtype=np.int64)
+    for r in storages:
+        start = max(r.created, 0)
+        end = min(r.freed if r.freed is not None else n, n)
+        if end > start:
+            delta[start] += r.nbytes
+            delta[end] -= r.nbytes
+    return np.cumsum(delta)[:n]
+
+
+def _order(keys: dict[str, int]) -> dict[str, int]:
+    return {fqn: i for i, fqn in enumerate(sorted(keys, key=keys.__getitem__))}
+
+
+def aggregate(
+    step: TracedStep,
+    *,
+    model_name: str,
+    fingerprint: str,
+    target: dict,
+    world_size: int,
+    optimizer: str,
+    versions: dict[str, str],
+) -> ModelStats:
+    rec = step.recording
+    n = len(rec.ops)
+    live = _live_timeline(rec.storages, n)
+    for ev, scratch in rec.transient.items():
+        live[ev] += scratch
+    peak_event = int(np.argmax(live)) if n else 0
+    peak_bytes = int(live[peak_event]) if n else sum(r.nbytes for r in rec.storages if r.created < 0)
+
+    breakdown: dict[str, int] = defaultdict(int)
+    for r in rec.storages:
+        if max(r.created, 0) <= peak_event < (r.freed if r.freed is not None else n):
+            breakdown[r.kind] += r.nbytes
+    if rec.transient.get(peak_event):
+        breakdown["scratch"] = rec.transient[peak_event]
+
+    # ---- per-module runtime and windows
+    fw_ms: dict[str, float] = defaultdict(float)
+    bw_ms: dict[str, float] = defaultdict(float)
+    bw_first: dict[str, int] = {}
+    bw_last: dict[str, int] = {}
+    for i in range(n):
+        phase, stack, ms = rec.phases[i], rec.stacks[i], rec.ms[i]
+        if phase == "forward":
+            for fqn in stack:
+                fw_ms[fqn] += ms
+        elif phase == "backward":
+            for fqn in stack:
+                bw_ms[fqn] += ms
+                bw_first.setdefault(fqn, i)
+                bw_last[fqn] = i
+
+    # ---- saved ops: forward-made storages autograd keeps, grouped by producing op
+    groups: dict[int, list[StorageRecord]] = defaultdict(list)
+    for r in rec.storages:
+        if r.kind == "act" and r.saver_stack is not None and r.producer >= 0:
+            groups[r.producer].append(r)
+    saved_ops: list[SavedOp] = []
+    occurrences: dict[tuple[str, str], int] = defaultdict(int)
+    own_saved: dict[str, int] = defaultdict(int)
+    total_saved: dict[str, int] = defaultdict(int)
+    discardable: dict[str, list[int]] = defaultdict(list)
+    param_cast_bytes = 0
+    # param casts are re-made on every use (apply never saves them), so they cost like unsaved ops
+    producers = {ev for ev, recs in groups.items() if not any(r.param_cast for r in recs)}
+    for ev in sorted(groups):
+        stack = rec.stacks[ev]
+        recs = groups[ev]
+        nbytes = sum(r.nbytes for r in recs)
+        scope_stack = stack
+        for r in recs:
+            scope_stack = _prefix(scope_stack, r.saver_stack)
+        for fqn in stack:
+            total_saved[fqn] += nbytes
+        if stack:
+            own_saved[stack[-1]] += nbytes
+        if not scope_stack:
+            continue  # saved across the model boundary (e.g. the loss): nothing inside can discard it
+        op = SavedOp(
+            id=len(saved_ops), op=rec.ops[ev], module=stack[-1], scope=scope_stack[-1], event=ev,
+            freed_event=max(r.freed for r in recs), bytes=nbytes, ms=rec.ms[ev],
+            random=rec.ops[ev] in _RANDOM_OPS, view=any(r.saved_as_view for r in recs),
+            inplace=any(r.mutated for r in recs), param_cast=any(r.param_cast for r in recs),
+        )
+        occurrences[(op.module, op.op)] += 1
+        saved_ops.append(op)
+        if op.param_cast:
+            param_cast_bytes += nbytes
+        elif not op.inplace:
+            for fqn in scope_stack:
+                discardable[fqn].append(op.id)
+
+    # ---- module tree
+    modules: dict[str, ModuleStats] = {}
+    fw_pre = {}
+    for i, fqn in enumerate(rec.fw_pre_order):
+        fw_pre.setdefault(fqn, i)
+    fw_post = {}
+    for i, fqn in enumerate(rec.fw_post_order):
+        fw_post.setdefault(fqn, i)
+    fw_pre_pos, fw_post_pos = _order(fw_pre), _order(fw_post)
+    bw_pre_pos, bw_post_pos = _order(bw_first), _order(bw_last)
+    parent_of = {c: p for p, cs in step.module_children.items() for c in cs}
+    param_own: dict[str, list] = defaultdict(list)
+    for ps in step.params.values():
+        param_own[ps.module].append(ps)
+    fixed_ms = _fixed_recompute_ms(rec, producers)
+
+    for fqn, mtype in step.module_types.items():
+        stack = _stack_of(fqn)
+        sub_params = [ps for m in stack_subtree(fqn, step.module_children) for ps in param_own[m]]
+        ids = discardable.get(fqn, [])
+        bw = [bw_first[fqn], bw_last[fqn]] if fqn in bw_first else None
+        act_grad = 0
+        if bw is not None:
+            before = int(live[bw[0] - 1]) if bw[0] > 0 else 0
+            act_grad = max(0, int(live[bw[0] : bw[1] + 1].max()) - before)
+        io = rec.io_bytes.get(fqn, [0, 0])
+        modules[fqn] = ModuleStats(
+            fqn=fqn, type=mtype, parent=parent_of.get(fqn), children=list(step.module_children[fqn]),
+            depth=len(stack) - 1, calls=len(rec.fw_windows.get(fqn, [])),
+            fw_pre_order=fw_pre_pos.get(fqn, -1), fw_post_order=fw_post_pos.get(fqn, -1),
+            bw_pre_order=bw_pre_pos.get(fqn, -1), bw_post_order=bw_post_pos.get(fqn, -1),
+            fw_windows=[list(w) for w in rec.fw_windows.get(fqn, [])], bw_window=bw,
+            param_bytes=sum(ps.bytes for ps in param_own[fqn]),
+            param_bytes_total=sum(ps.bytes for ps in sub_params),
+            grad_bytes_total=sum(ps.grad_bytes for ps in sub_params),
+            optimizer_bytes_total=sum(ps.optimizer_bytes for ps in sub_params),
+            saved_bytes=own_saved.get(fqn, 0), saved_bytes_total=total_saved.get(fqn, 0),
+            act_grad_bytes=act_grad, input_bytes=io[0], output_bytes=io[1],
+            fw_ms=fw_ms.get(fqn, 0.0), bw_ms=bw_ms.get(fqn, 0.0),
+            fixed_recompute_ms=fixed_ms.get(fqn, 0.0),
+            saved_op_ids=ids, discardable_bytes=sum(saved_ops[i].bytes for i in ids),
+        )
+        curve = exact_curve([(saved_ops[i].bytes, saved_ops[i].ms) for i in ids])
+        modules[fqn].tradeoff = curve
+        modules[fqn].tradeoff_exact_points = len(curve)
+
+    phases_ms: dict[str, float] = defaultdict(float)
+    for phase, ms in zip(rec.phases, rec.ms):
+        phases_ms[phase] += ms
+    return ModelStats(
+        model=model_name, fingerprint=fingerprint, target=target, world_size=world_size,
+        optimizer=optimizer, peak_bytes=peak_bytes, peak_event=peak_event,
+        peak_module=(rec.stacks[peak_event][-1] if n and rec.stacks[peak_event] else None),
+        peak_phase=rec.phases[peak_event] if n else "forward", peak_breakdown=dict(breakdown),
+        param_bytes=sum(ps.bytes for ps in step.params.values()), buffer_bytes=step.buffer_bytes,
+        grad_bytes=sum(ps.grad_bytes for ps in step.params.values()),
+        optimizer_bytes=sum(ps.optimizer_bytes for ps in step.params.values()),
+        input_bytes=step.input_bytes, param_cast_bytes=param_cast_bytes,
+        step_ms=float(sum(rec.ms)), forward_ms=phases_ms["forward"] + phases_ms["loss"],
+        backward_ms=phases_ms["backward"], optimizer_ms=phases_ms["optimizer"],
+        root="", modules=modules, params=step.params, saved_ops=saved_ops,
+        timeline=Timeline(
+            ops=list(rec.ops), phases=list(rec.phases),
+            modules=[s[-1] if s else None for s in rec.stacks],
+            live_bytes=[int(x) for x in live], ms=list(rec.ms),
+        ),
+        unknown_flop_ops=sorted(rec.unknown_ops), versions=versions,
+    )
+
+
+def _prefix(a: tuple, b: tuple) -> tuple:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return a[:n]
+
+
+def stack_subtree(fqn: str, children: dict[str, list[str]]) -> list[str]:
+    out, todo = [], [fqn]
+    while todo:
+        m = todo.pop()
+        out.append(m)
+        todo.extend(children.get(m, ()))
+    return out
+
+
+def _fixed_recompute_ms(rec, producers: set[int]) -> dict[str, float]:
+    """Per module, the forward ms of ops that a recompute re-runs whatever the
+    discard ratio: ops autograd saves nothing of (views are free)."""
+    out: dict[str, float] = defaultdict(float)
+    for i, phase in enumerate(rec.phases):
+        if phase != "forward" or rec.views[i] or i in producers:
+            continue
+        for fqn in rec.stacks[i]:
+            out[fqn] += rec.ms[i]
+    return out

@@ -1,0 +1,251 @@
+"""What one aten op costs: FLOPs, bytes moved, and milliseconds on the target.
+
+On a GPU target the time is a roofline: the slower of compute (FLOPs over the
+dtype's dense rate) and memory traffic (bytes over bandwidth), each scaled by
+the device's efficiency.  On ``cpu`` ops are timed for real with random tensors
+of the traced shapes, cached per op and shape; ops too large to materialise use
+a CPU roofline calibrated once on this machine.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import lru_cache
+
+import torch
+from torch.utils import flop_counter
+from torch.utils._pytree import tree_leaves, tree_map
+
+from autosac.devices import DeviceSpec
+
+aten = torch.ops.aten
+
+# Ops with no FLOP formula that are memory-bound by nature: no warning for these.
+_MEMORY_BOUND = {
+    "embedding", "embedding_dense_backward", "native_layer_norm", "native_layer_norm_backward",
+    "_softmax", "_softmax_backward_data", "_log_softmax", "_log_softmax_backward_data",
+    "native_dropout", "native_dropout_backward", "gelu_backward", "silu_backward",
+    "threshold_backward", "sum", "mean", "amax", "amin", "max", "min", "var_mean", "cat",
+    "stack", "copy_", "_to_copy", "clone", "masked_fill", "where", "fill_", "zero_", "zeros_like",
+    "ones_like", "empty_like", "empty", "empty_strided", "new_empty", "new_empty_strided",
+    "new_zeros", "new_ones", "full", "full_like", "zeros", "ones", "arange", "bernoulli_",
+    "bernoulli", "rand", "randn", "rand_like", "randn_like", "index_select", "gather",
+    "scatter", "scatter_add", "index_put_", "index_add_", "embedding_backward", "tril", "triu",
+    "_unsafe_view", "repeat", "repeat_interleave", "_foreach_", "constant_pad_nd", "nll_loss_forward",
+    "nll_loss_backward", "_fused_adamw_", "_fused_adam_", "lerp_", "addcmul_", "addcdiv_",
+    "_local_scalar_dense", "lift_fresh", "alias", "clamp", "clamp_min", "clamp_max",
+    "logical_not", "bitwise_not", "eq", "ne", "lt", "le", "gt", "ge", "masked_fill_",
+    "detach", "rsqrt", "sqrt", "pow", "sort", "topk", "cumsum", "linalg_vector_norm",
+    "native_batch_norm", "native_batch_norm_backward", "_native_batch_norm_legit_functional",
+    "_fused_rms_norm", "_fused_rms_norm_backward", "split_with_sizes_copy", "unbind_copy",
+}
+
+
+def _sdpa_flops(q_shape, k_shape, v_shape) -> int:
+    # QK^T and PV: two batched matmuls of (sq x d)@(d x sk) and (sq x sk)@(sk x dv).
+    *batch, sq, d = q_shape
+    sk, dv = k_shape[-2], v_shape[-1]
+    b = 1
+    for s in batch:
+        b *= s
+    return 2 * b * sq * sk * d + 2 * b * sq * sk * dv
+
+
+def _cpu_flash_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return _sdpa_flops(query, key, value)
+
+
+def _cpu_flash_bw_flops(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    # Recompute QK^T, then dV, dP, dQ, dK: 2.5x the forward's matmul work.
+    return int(2.5 * _sdpa_flops(query, key, value))
+
+
+def _extra_registry() -> dict:
+    extra = {}
+    for name, fn in (
+        ("_scaled_dot_product_flash_attention_for_cpu", _cpu_flash_flops),
+        ("_scaled_dot_product_flash_attention_for_cpu_backward", _cpu_flash_bw_flops),
+    ):
+        packet = getattr(aten, name, None)
+        if packet is not None:
+            extra[packet] = flop_counter.shape_wrapper(fn)
+    return extra
+
+
+FLOP_REGISTRY = {**flop_counter.flop_registry, **_extra_registry()}
+
+
+def is_view_op(func) -> bool:
+    """True when the op's first result aliases an input without writing it."""
+    returns = func._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+
+
+def is_inplace_op(func) -> bool:
+    """True when the op writes into one of its inputs."""
+    return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+
+
+def op_flops(func, args, kwargs, out) -> int | None:
+    """FLOPs of one op call from torch's FLOP-formula registry; None when it has no formula."""
+    fn = FLOP_REGISTRY.get(func.overloadpacket)
+    if fn is None:
+        return None
+    return int(fn(*args, **kwargs, out_val=out))
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def op_bytes(args, kwargs, out) -> int:
+    """Bytes an op reads and writes: its tensor inputs plus its tensor outputs."""
+    total = 0
+    for t in tree_leaves((args, kwargs, out)):
+        if isinstance(t, torch.Tensor):
+            total += tensor_bytes(t)
+    return total
+
+
+_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addbmm"}
+
+
+def _blas_ready(t: torch.Tensor) -> bool:
+    if t.dim() < 2:
+        return True
+    rows, cols = t.size(-2), t.size(-1)
+    s_row, s_col = t.stride(-2), t.stride(-1)
+    # a BLAS matrix has unit stride along one dim and a leading dimension covering the other
+    return (s_col == 1 and s_row >= max(1, cols)) or (s_row == 1 and s_col >= max(1, rows))
+
+
+def transient_bytes(func, args) -> int:
+    """Bytes an op allocates internally and frees before returning, invisible to
+    the dispatcher: matmuls copy operands that are not BLAS-strided (e.g. the
+    stride-0 gradient of a sum) into contiguous scratch."""
+    if func.overloadpacket.__name__ not in _MATMULS:
+        return 0
+    return sum(tensor_bytes(t) for t in args if isinstance(t, torch.Tensor) and not _blas_ready(t))
+
+
+def _compute_dtype(args) -> torch.dtype:
+    for t in tree_leaves(args):
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return t.dtype
+    return torch.float32
+
+
+def is_known_memory_bound(func) -> bool:
+    name = func.overloadpacket.__name__
+    return (
+        torch.Tag.pointwise in func.tags
+        or name in _MEMORY_BOUND
+        or name.startswith("_foreach_")
+        or name.rstrip("_") in _MEMORY_BOUND
+    )
+
+
+class CostModel:
+    """Times ops for one target; remembers ops it had no FLOP formula for.
+
+    Example::
+
+        >>> cm = CostModel(resolve_target("h100"))
+        >>> ms = cm.op_ms(torch.ops.aten.mm.default, (a, b), {}, out)
+    """
+
+    def __init__(self, spec: DeviceSpec, cpu_size_cap_bytes: int = 256 << 20) -> None:
+        self.spec = spec
+        self.cpu_size_cap_bytes = cpu_size_cap_bytes
+        self.unknown_ops: set[str] = set()
+        self._cpu_cache: dict[tuple, float] = {}
+
+    def op_ms(self, func, args, kwargs, out) -> tuple[float, int]:
+        """(milliseconds, FLOPs) of one op call on the target; views cost nothing."""
+        if is_view_op(func):
+            return 0.0, 0
+        flops = op_flops(func, args, kwargs, out)
+        if flops is None:
+            flops = 0
+            if not is_known_memory_bound(func):
+                self.unknown_ops.add(str(func.overloadpacket))
+        nbytes = op_bytes(args, kwargs, out)
+        if self.spec.measured:
+            return self._cpu_ms(func, args, kwargs, nbytes, flops), flops
+        return self.roofline_ms(flops, nbytes, _compute_dtype(args), self.spec), flops
+
+    @staticmethod
+    def roofline_ms(flops: int, nbytes: int, dtype: torch.dtype, spec: DeviceSpec) -> float:
+        """max(compute time, memory time) in ms for the given work on ``spec``."""
+        compute_s = flops / (spec.peak_flops(dtype) * spec.compute_efficiency)
+        memory_s = nbytes / (spec.bandwidth * spec.memory_efficiency)
+        return 1e3 * max(compute_s, memory_s)
+
+    def _cpu_ms(self, func, args, kwargs, nbytes: int, flops: int) -> float:
+        if nbytes > self.cpu_size_cap_bytes:
+            return self.roofline_ms(flops, nbytes, _compute_dtype(args), local_cpu_spec())
+        key = (str(func), _shape_key((args, kwargs)))
+        if key not in self._cpu_cache:
+            try:
+                self._cpu_cache[key] = _time_real(func, args, kwargs)
+            except Exception:  # noqa: BLE001 - data-dependent ops can fail on random data
+                self._cpu_cache[key] = self.roofline_ms(flops, nbytes, _compute_dtype(args), local_cpu_spec())
+        return self._cpu_cache[key]
+
+
+def _shape_key(tree) -> tuple:
+    out = []
+    for x in tree_leaves(tree):
+        if isinstance(x, torch.Tensor):
+            out.append((tuple(x.shape), tuple(x.stride()), x.dtype))
+        else:
+            out.append(repr(x))
+    return tuple(out)
+
+
+def _real_like(t: torch.Tensor) -> torch.Tensor:
+    real = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    if t.is_floating_point() or t.is_complex():
+        real.uniform_(-1, 1)
+    elif t.dtype == torch.bool:
+        real.fill_(True)
+    else:
+        real.zero_()  # indices: zero is valid for any embedding/gather
+    return real
+
+
+def _time_real(func, args, kwargs, repeats: int = 3) -> float:
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        real_args, real_kwargs = tree_map(
+            lambda x: _real_like(x) if isinstance(x, torch.Tensor) else x, (args, kwargs)
+        )
+        func(*real_args, **real_kwargs)  # warm-up
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            func(*real_args, **real_kwargs)
+            best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+@lru_cache(maxsize=1)
+def local_cpu_spec() -> DeviceSpec:
+    """A roofline for this CPU, calibrated once with a float32 matmul and a copy."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        a = torch.randn(512, 512)
+        torch.mm(a, a)
+        t0 = time.perf_counter()
+        for _ in range(5):
+            torch.mm(a, a)
+        flops = 5 * 2 * 512**3 / (time.perf_counter() - t0)
+        x = torch.empty(8 << 20, dtype=torch.uint8)
+        x.clone()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            x.clone()
+        bandwidth = 5 * 2 * x.numel() / (time.perf_counter() - t0)
+    return DeviceSpec("cpu-roofline", {"float32": flops}, bandwidth, compute_efficiency=1.0, memory_efficiency=1.0)

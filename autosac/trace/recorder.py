@@ -1,0 +1,252 @@
+"""Record one training step op by op: where each op ran, what it cost, and
+when every tensor storage was born, saved for backward, and freed.
+
+Three observers feed one :class:`Recording`:
+
+* a ``TorchDispatchMode`` sees every aten op (cost, outputs, in-place writes);
+* weakref callbacks on storages see frees the moment the last view dies;
+* saved-tensor hooks see which storages autograd keeps for backward.
+
+Backward ops are attributed to the module whose forward created their autograd
+node: forward outputs' ``grad_fn`` sequence numbers are mapped to the module
+stack of the op that produced them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from autosac.trace.costs import CostModel, is_inplace_op, is_view_op, transient_bytes
+
+Stack = tuple[str, ...]
+_ACCUMULATE_GRAD_SEQ = 2**64 - 1
+_CASTS = {"_to_copy", "to", "type_as"}
+
+
+@dataclass
+class StorageRecord:
+    nbytes: int
+    kind: str  # param | buffer | input | optim | act | temp | grad
+    created: int  # event index; -1 when it existed before the step
+    producer: int = -1  # event index of the op that allocated it
+    freed: int | None = None  # first event index at which it is no longer live
+    saver_stack: Stack | None = None  # common ancestor stack of the ops that saved it
+    param_cast: bool = False
+    mutated: bool = False  # written in place after it was created
+    saved_as_view: bool = False  # autograd saved a view of it, not the base tensor
+
+
+@dataclass
+class Recording:
+    """Raw facts of one step; :mod:`autosac.trace.aggregate` turns them into ModelStats."""
+
+    ops: list[str] = field(default_factory=list)
+    phases: list[str] = field(default_factory=list)
+    stacks: list[Stack] = field(default_factory=list)
+    ms: list[float] = field(default_factory=list)
+    flops: list[int] = field(default_factory=list)
+    views: list[bool] = field(default_factory=list)
+    transient: dict[int, int] = field(default_factory=dict)  # event -> scratch bytes inside the op
+    storages: list[StorageRecord] = field(default_factory=list)
+    fw_windows: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    fw_pre_order: list[str] = field(default_factory=list)
+    fw_post_order: list[str] = field(default_factory=list)
+    io_bytes: dict[str, list[int]] = field(default_factory=dict)  # fqn -> [inputs, outputs]
+    param_dtypes: dict[str, set[str]] = field(default_factory=dict)
+    unknown_ops: set[str] = field(default_factory=set)
+
+
+def _common_prefix(a: Stack, b: Stack) -> Stack:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return a[:n]
+
+
+class StepRecorder(TorchDispatchMode):
+    """Dispatch mode that fills a :class:`Recording` while one step runs."""
+
+    def __init__(self, cost_model: CostModel) -> None:
+        super().__init__()
+        self.rec = Recording()
+        self.cost = cost_model
+        self.phase = "forward"
+        self.stack: list[str] = []
+        self._stack_t: Stack = ()
+        self._by_storage: dict[int, int] = {}  # id(storage) -> index in rec.storages
+        self._refs: dict[int, weakref.ref] = {}
+        self._param_of_storage: dict[int, str] = {}  # id(storage) -> param fqn
+        self._param_stack: dict[int, Stack] = {}  # id(param) -> owner module stack
+        self._pending: list[tuple[weakref.ref, Stack]] = []
+        self._seq_keys: list[int] = []
+        self._seq_stacks: list[Stack] = []
+
+    # ----------------------------------------------------------- storages
+    def track(self, t: torch.Tensor, kind: str, created: int = -1, producer: int = -1) -> int:
+        """Register ``t``'s storage (once) and return its record index."""
+        st = t.untyped_storage()
+        key = id(st)
+        idx = self._by_storage.get(key)
+        if idx is not None:
+            return idx
+        idx = len(self.rec.storages)
+        self.rec.storages.append(StorageRecord(st.nbytes(), kind, created, producer))
+        self._by_storage[key] = idx
+        self._refs[idx] = weakref.ref(st, self._on_free(key, idx))
+        return idx
+
+    def _on_free(self, key: int, idx: int):
+        def callback(_ref) -> None:
+            self.rec.storages[idx].freed = len(self.rec.ops)
+            if self._by_storage.get(key) == idx:
+                del self._by_storage[key]
+            self._refs.pop(idx, None)
+
+        return callback
+
+    def track_param(self, fqn: str, p: torch.Tensor, owner: Stack) -> None:
+        self.track(p, "param")
+        self._param_of_storage[id(p.untyped_storage())] = fqn
+        self._param_stack[id(p)] = owner
+        self.rec.param_dtypes.setdefault(fqn, set())
+
+    def relabel(self, t: torch.Tensor, kind: str) -> None:
+        idx = self._by_storage.get(id(t.untyped_storage()))
+        if idx is not None:
+            self.rec.storages[idx].kind = kind
+
+    def record_of(self, t: torch.Tensor) -> StorageRecord | None:
+        idx = self._by_storage.get(id(t.untyped_storage()))
+        return None if idx is None else self.rec.storages[idx]
+
+    # ------------------------------------------------------ module stack
+    def push(self, fqn: str) -> None:
+        self._flush_pending()
+        self.stack.append(fqn)
+        self._stack_t = tuple(self.stack)
+        self.rec.fw_pre_order.append(fqn)
+        self.rec.fw_windows.setdefault(fqn, []).append((len(self.rec.ops), -1))
+
+    def pop(self, fqn: str) -> None:
+        self._flush_pending()
+        if self.stack and self.stack[-1] == fqn:
+            self.stack.pop()
+        self._stack_t = tuple(self.stack)
+        self.rec.fw_post_order.append(fqn)
+        windows = self.rec.fw_windows[fqn]
+        windows[-1] = (windows[-1][0], len(self.rec.ops))
+
+    def _flush_pending(self) -> None:
+        for ref, stack in self._pending:
+            t = ref()
+            if t is not None and t.grad_fn is not None:
+                seq = t.grad_fn._sequence_nr()
+                if not self._seq_keys or seq > self._seq_keys[-1]:
+                    self._seq_keys.append(seq)
+                    self._seq_stacks.append(stack)
+        self._pending.clear()
+
+    def _backward_stack(self) -> Stack:
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return ()
+        seq = node._sequence_nr()
+        if seq == _ACCUMULATE_GRAD_SEQ:
+            var = getattr(node, "variable", None)
+            return self._param_stack.get(id(var), ()) if var is not None else ()
+        # Nodes are numbered in creation order, so the closest mapped node at or
+        # before this one was created by the same module's forward.
+        i = bisect.bisect_right(self._seq_keys, seq) - 1
+        return self._seq_stacks[i] if i >= 0 else ()
+
+    # ------------------------------------------------------ saved tensors
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.phase == "forward" and isinstance(t, torch.Tensor):
+            idx = self._by_storage.get(id(t.untyped_storage()))
+            if idx is not None:
+                rec = self.rec.storages[idx]
+                stack = self._stack_t
+                rec.saver_stack = stack if rec.saver_stack is None else _common_prefix(rec.saver_stack, stack)
+                rec.saved_as_view = rec.saved_as_view or t._is_view()
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    # ------------------------------------------------------------- ops
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace in ("prim", "profiler"):
+            return func(*args, **kwargs)
+        if self._pending:
+            self._flush_pending()
+        out = func(*args, **kwargs)
+
+        rec = self.rec
+        idx = len(rec.ops)
+        if torch._C._current_autograd_node() is not None:
+            phase, stack = "backward", self._backward_stack()
+        else:
+            phase, stack = self.phase, self._stack_t
+        ms, flops = self.cost.op_ms(func, args, kwargs, out)
+        view = is_view_op(func)
+        rec.ops.append(func.overloadpacket.__name__)
+        rec.phases.append(phase)
+        rec.stacks.append(stack)
+        rec.ms.append(ms)
+        rec.flops.append(flops)
+        rec.views.append(view)
+        scratch = transient_bytes(func, args)
+        if scratch:
+            rec.transient[idx] = scratch
+
+        kind = "act" if phase == "forward" else "temp"
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        for t in outs:
+            self.track(t, kind, created=idx, producer=idx)
+        if is_inplace_op(func) and not view:
+            for t in outs:
+                r = self.record_of(t)
+                if r is not None and r.producer != idx:
+                    r.mutated = True
+        if phase == "forward":
+            self._note_param_use(func, args, outs)
+            self._pending.extend((weakref.ref(t), stack) for t in outs if t.requires_grad)
+        return out
+
+    def _note_param_use(self, func, args, outs) -> None:
+        name = func.overloadpacket.__name__
+        for a in tree_leaves(args):
+            if not isinstance(a, torch.Tensor):
+                continue
+            fqn = self._param_of_storage.get(id(a.untyped_storage()))
+            if fqn is None:
+                continue
+            if name in _CASTS and outs and outs[0].dtype != a.dtype:
+                self.rec.param_dtypes[fqn].add(str(outs[0].dtype).removeprefix("torch."))
+                for t in outs:
+                    r = self.record_of(t)
+                    if r is not None:
+                        r.param_cast = True
+            else:
+                self.rec.param_dtypes[fqn].add(str(a.dtype).removeprefix("torch."))
+
+    def finish(self) -> Recording:
+        """Close the recording: storages still alive are freed at the step's end."""
+        self._flush_pending()
+        end = len(self.rec.ops)
+        for r in self.rec.storages:
+            if r.freed is None:
+                r.freed = end
+        self._refs.clear()
+        self.rec.unknown_ops = set(self.cost.unknown_ops)
+        return self.rec

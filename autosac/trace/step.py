@@ -1,0 +1,254 @@
+"""Run one whole training step of a user's model under FakeTensorMode.
+
+The model's parameters and buffers are swapped for fake twins for the duration
+(real weights are never copied; ``meta`` models work), the optimizer is stepped
+once on zero gradients so its state exists as from the second step on, and then
+forward, loss, backward and the optimizer step run under a :class:`StepRecorder`.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from autosac.errors import NothingToCheckpointError, TraceError
+from autosac.optim import OptimizerSpec, default_loss, make_optimizer
+from autosac.stats import ParamStats
+from autosac.trace.costs import CostModel
+from autosac.trace.recorder import Recording, StepRecorder
+
+
+@dataclass
+class TracedStep:
+    recording: Recording
+    params: dict[str, ParamStats]
+    module_types: dict[str, str]
+    module_children: dict[str, list[str]]
+    input_bytes: int
+    buffer_bytes: int
+
+
+def _fake_like(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    # Always on cpu: fake tensors hold no data, and one device keeps meta models,
+    # real-weight models and any kind of input compatible.
+    fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    return fake.requires_grad_(requires_grad) if requires_grad else fake
+
+
+@contextmanager
+def fake_parameters(model: nn.Module, mode: FakeTensorMode):
+    """Swap every parameter and buffer for a fake twin; tied ones stay tied; restored on exit."""
+    memo: dict[int, torch.Tensor] = {}
+    swapped: list[tuple[dict, str, torch.Tensor]] = []
+    try:
+        with mode:
+            for mod in model.modules():
+                for table in (mod._parameters, mod._buffers):
+                    for name, t in list(table.items()):
+                        if t is None:
+                            continue
+                        if id(t) not in memo:
+                            if isinstance(t, nn.Parameter):
+                                memo[id(t)] = nn.Parameter(_fake_like(t, False), requires_grad=t.requires_grad)
+                            else:
+                                memo[id(t)] = _fake_like(t, False)
+                        swapped.append((table, name, t))
+                        table[name] = memo[id(t)]
+        yield
+    finally:
+        for table, name, t in reversed(swapped):
+            table[name] = t
+
+
+def _split_inputs(example_inputs) -> tuple[tuple, dict]:
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
+
+
+def trace_step(
+    model: nn.Module,
+    example_inputs,
+    loss_fn=None,
+    optimizer: OptimizerSpec = "adamw",
+    cost_model: CostModel | None = None,
+) -> TracedStep:
+    """Trace forward, loss, backward and optimizer step; return the raw recording.
+
+    Raises:
+        NothingToCheckpointError: no parameter requires grad, or the loss is not differentiable.
+        TraceError: the forward (naming the module) or the loss raised.
+    """
+    if not any(p.requires_grad for p in model.parameters()):
+        raise NothingToCheckpointError(
+            f"{type(model).__name__} has no parameter that requires grad: nothing to checkpoint"
+        )
+    loss_fn = loss_fn or default_loss
+    names = {id(m): fqn for fqn, m in model.named_modules()}
+    mode = FakeTensorMode()
+    recorder = StepRecorder(cost_model)
+    hooks = []
+    with fake_parameters(model, mode), mode:
+        args, kwargs = tree_map(
+            lambda x: _fake_like(x, x.requires_grad) if isinstance(x, torch.Tensor) else x,
+            _split_inputs(example_inputs),
+        )
+        opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
+        _init_optimizer_state(model, opt)
+
+        owners: dict[int, str] = {}
+        params: dict[str, ParamStats] = {}
+        for mod_fqn, mod in model.named_modules():
+            for pname, p in mod.named_parameters(recurse=False):
+                if id(p) in owners:
+                    continue
+                owners[id(p)] = mod_fqn
+                fqn = f"{mod_fqn}.{pname}" if mod_fqn else pname
+                recorder.track_param(fqn, p, _stack_of(mod_fqn))
+                state_bytes = _state_bytes(opt, p)
+                for t in _state_tensors(opt, p):
+                    recorder.track(t, "optim")
+                nbytes = p.numel() * p.element_size()
+                params[fqn] = ParamStats(
+                    fqn, mod_fqn, list(p.shape), str(p.dtype).removeprefix("torch."), nbytes,
+                    p.requires_grad, nbytes if p.requires_grad else 0, state_bytes, [],
+                )
+        buffer_bytes = 0
+        for b in {id(b): b for b in model.buffers()}.values():
+            if recorder.record_of(b) is None:
+                buffer_bytes += recorder.rec.storages[recorder.track(b, "buffer")].nbytes
+        input_bytes = 0
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and recorder.record_of(t) is None:
+                input_bytes += recorder.rec.storages[recorder.track(t, "input")].nbytes
+
+        for mod in model.modules():
+            fqn = names[id(mod)]
+            hooks.append(mod.register_forward_pre_hook(_pre_hook(recorder, fqn)))
+            hooks.append(mod.register_forward_hook(_post_hook(recorder, fqn)))
+        try:
+            with recorder, torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
+                recorder.phase = "forward"
+                out = _run_forward(model, args, kwargs, recorder)
+                recorder.phase = "loss"
+                try:
+                    loss = loss_fn(out)
+                except Exception as e:
+                    raise TraceError(f"loss_fn raised {type(e).__name__}: {e}") from None
+                del out
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise TraceError("loss_fn must return a scalar tensor")
+            if not loss.requires_grad:
+                raise NothingToCheckpointError(
+                    "the loss does not require grad (the output is not differentiable): nothing to checkpoint"
+                )
+            with recorder:
+                recorder.phase = "backward"
+                loss.backward()
+                del loss
+                recorder.phase = "optimizer"
+                for p in model.parameters():
+                    if p.grad is not None:
+                        recorder.relabel(p.grad, "grad")
+                if opt is not None:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                else:
+                    model.zero_grad(set_to_none=True)
+        finally:
+            for h in hooks:
+                h.remove()
+        recording = recorder.finish()
+
+    for fqn, ps in params.items():
+        ps.consumed_dtypes = sorted(recording.param_dtypes.get(fqn, ()))
+    module_children: dict[str, list[str]] = {fqn: [] for fqn in names.values()}
+    module_types = {fqn: type(m).__name__ for fqn, m in model.named_modules()}
+    for fqn, m in model.named_modules():
+        for cname, child in m.named_children():
+            cfqn = names.get(id(child))
+            if cfqn is not None and cfqn == (f"{fqn}.{cname}" if fqn else cname):
+                module_children[fqn].append(cfqn)
+    return TracedStep(recording, params, module_types, module_children, input_bytes, buffer_bytes)
+
+
+def _stack_of(fqn: str) -> tuple[str, ...]:
+    if fqn == "":
+        return ("",)
+    parts = fqn.split(".")
+    return ("",) + tuple(".".join(parts[: i + 1]) for i in range(len(parts)))
+
+
+def _pre_hook(recorder: StepRecorder, fqn: str):
+    def hook(module, args):
+        if recorder.phase == "forward":
+            recorder.push(fqn)
+            recorder.rec.io_bytes.setdefault(fqn, [0, 0])[0] += _unique_bytes(args)
+
+    return hook
+
+
+def _post_hook(recorder: StepRecorder, fqn: str):
+    def hook(module, args, output):
+        if recorder.phase == "forward":
+            recorder.pop(fqn)
+            recorder.rec.io_bytes[fqn][1] += _unique_bytes(output)
+
+    return hook
+
+
+def _unique_bytes(tree) -> int:
+    seen = {}
+    for t in tree_leaves(tree):
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            seen[id(st)] = st.nbytes()
+    return sum(seen.values())
+
+
+def _run_forward(model: nn.Module, args: tuple, kwargs: dict, recorder: StepRecorder):
+    try:
+        return model(*args, **kwargs)
+    except TraceError:
+        raise
+    except Exception as e:
+        where = recorder.stack[-1] if recorder.stack else None
+        if where is None or (where == "" and isinstance(e, TypeError) and len(recorder.rec.ops) == 0):
+            raise TraceError(
+                f"example_inputs do not fit {type(model).__name__}.forward: {type(e).__name__}: {e}"
+            ) from None
+        name = where or "(root)"
+        mod = model.get_submodule(where) if where else model
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise TraceError(
+            f"forward of module '{name}' ({type(mod).__name__}) raised {type(e).__name__}: {first}"
+            " -- check that example_inputs fit the model"
+        ) from None
+
+
+def _state_tensors(opt, p) -> list[torch.Tensor]:
+    if opt is None:
+        return []
+    return [v for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+
+
+def _state_bytes(opt, p) -> int:
+    return sum(t.untyped_storage().nbytes() for t in _state_tensors(opt, p))
+
+
+def _init_optimizer_state(model: nn.Module, opt) -> None:
+    """One update on zero gradients so the state exists as in a steady-state step."""
+    if opt is None:
+        return
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
