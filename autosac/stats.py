@@ -20,9 +20,10 @@ class SavedOp:
     """One forward op whose output autograd keeps for backward.
 
     ``module`` is the innermost module the op ran in; ``scope`` the innermost
-    module that contains both the op and every op that saved its output, so
-    checkpointing any module at or above ``scope`` may discard it.
-    ``occurrence`` counts earlier calls of the same op in ``module``'s forward.
+    module that contains the op, every in-place op that later wrote its output
+    (``writer_events``, e.g. dropout's ``bernoulli_`` on CPU) and every op that
+    saved it, so checkpointing any module at or above ``scope`` may discard it.
+    ``ms`` is the recompute cost of the op and its writers together.
     """
 
     id: int
@@ -37,6 +38,7 @@ class SavedOp:
     view: bool = False
     inplace: bool = False
     param_cast: bool = False
+    writer_events: list[int] = field(default_factory=list)
 
 
 @dataclass

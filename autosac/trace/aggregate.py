@@ -82,20 +82,24 @@ def aggregate(
         if r.kind == "act" and r.saver_stack is not None and r.producer >= 0:
             groups[r.producer].append(r)
     saved_ops: list[SavedOp] = []
-    occurrences: dict[tuple[str, str], int] = defaultdict(int)
     own_saved: dict[str, int] = defaultdict(int)
     total_saved: dict[str, int] = defaultdict(int)
     discardable: dict[str, list[int]] = defaultdict(list)
     param_cast_bytes = 0
     # param casts are re-made on every use (apply never saves them), so they cost like unsaved ops
     producers = {ev for ev, recs in groups.items() if not any(r.param_cast for r in recs)}
+    producers |= {w for recs in groups.values() for r in recs if not r.param_cast for w in r.writers}
     for ev in sorted(groups):
         stack = rec.stacks[ev]
         recs = groups[ev]
         nbytes = sum(r.nbytes for r in recs)
+        writers = sorted({w for r in recs for w in r.writers})
+        chain = [ev, *writers]
         scope_stack = stack
         for r in recs:
             scope_stack = _prefix(scope_stack, r.saver_stack)
+        for w in writers:
+            scope_stack = _prefix(scope_stack, rec.stacks[w])
         for fqn in stack:
             total_saved[fqn] += nbytes
         if stack:
@@ -104,15 +108,14 @@ def aggregate(
             continue  # saved across the model boundary (e.g. the loss): nothing inside can discard it
         op = SavedOp(
             id=len(saved_ops), op=rec.ops[ev], module=stack[-1], scope=scope_stack[-1], event=ev,
-            freed_event=max(r.freed for r in recs), bytes=nbytes, ms=rec.ms[ev],
-            random=rec.ops[ev] in _RANDOM_OPS, view=any(r.saved_as_view for r in recs),
-            inplace=any(r.mutated for r in recs), param_cast=any(r.param_cast for r in recs),
+            freed_event=max(r.freed for r in recs), bytes=nbytes, ms=sum(rec.ms[i] for i in chain),
+            random=any(rec.ops[i] in _RANDOM_OPS for i in chain), view=any(r.saved_as_view for r in recs),
+            inplace=bool(writers), param_cast=any(r.param_cast for r in recs), writer_events=writers,
         )
-        occurrences[(op.module, op.op)] += 1
         saved_ops.append(op)
         if op.param_cast:
             param_cast_bytes += nbytes
-        elif not op.inplace:
+        else:
             for fqn in scope_stack:
                 discardable[fqn].append(op.id)
 

@@ -38,7 +38,7 @@ class StorageRecord:
     freed: int | None = None  # first event index at which it is no longer live
     saver_stack: Stack | None = None  # common ancestor stack of the ops that saved it
     param_cast: bool = False
-    mutated: bool = False  # written in place after it was created
+    writers: list[int] = field(default_factory=list)  # forward in-place ops that wrote it later
     saved_as_view: bool = False  # autograd saved a view of it, not the base tensor
 
 
@@ -213,14 +213,15 @@ class StepRecorder(TorchDispatchMode):
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         for t in outs:
             self.track(t, kind, created=idx, producer=idx)
-        if is_inplace_op(func) and not view:
+        if phase == "forward" and is_inplace_op(func) and not view:
             for t in outs:
                 r = self.record_of(t)
-                if r is not None and r.producer != idx:
-                    r.mutated = True
+                if r is not None and r.producer != idx and r.producer >= 0:
+                    r.writers.append(idx)
         if phase == "forward":
             self._note_param_use(func, args, outs)
-            self._pending.extend((weakref.ref(t), stack) for t in outs if t.requires_grad)
+            # grad_fn is attached above this dispatch level: resolve it at the next op
+            self._pending.extend((weakref.ref(t), stack) for t in outs)
         return out
 
     def _note_param_use(self, func, args, outs) -> None:

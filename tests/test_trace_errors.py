@@ -1,0 +1,82 @@
+"""Bad input to profile: clear one-line errors, and the model left as it was."""
+
+import pytest
+import torch
+from torch import nn
+
+import autosac
+
+
+class Broken(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ok = nn.Linear(4, 4)
+        self.bad = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.bad(self.ok(x)) + torch.ones(3)
+
+
+def _weights(model):
+    return {k: (type(v), v.device, v.shape) for k, v in model.state_dict().items()}
+
+
+def test_forward_that_raises_names_the_module():
+    class Raises(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(4, 4), Boom())
+
+        def forward(self, x):
+            return self.inner(x)
+
+    class Boom(nn.Module):
+        def forward(self, x):
+            raise RuntimeError("kaboom")
+
+    model = Raises()
+    before = _weights(model)
+    with pytest.raises(autosac.TraceError, match=r"module 'inner.1' \(Boom\) raised RuntimeError: kaboom"):
+        autosac.profile(model, torch.randn(2, 4))
+    assert _weights(model) == before  # parameters restored, no fake left behind
+    assert all(type(p) is nn.Parameter and not p.is_meta for p in model.parameters())
+    # the model still works for real afterwards
+    model.inner[0](torch.randn(2, 4)).sum().backward()
+
+
+def test_inputs_that_do_not_fit():
+    with pytest.raises(autosac.TraceError, match="module '' .*Sequential.* raised|module '0' \\(Linear\\)"):
+        autosac.profile(nn.Sequential(nn.Linear(4, 4)), torch.randn(2, 5))
+    with pytest.raises(autosac.TraceError, match="example_inputs do not fit Linear.forward"):
+        autosac.profile(nn.Linear(4, 4), (torch.randn(2, 4), torch.randn(2, 4)))
+
+
+def test_shape_error_in_root_forward_names_root():
+    with pytest.raises(autosac.TraceError, match=r"module '\(root\)' \(Broken\)"):
+        autosac.profile(Broken(), torch.randn(2, 4))
+
+
+def test_no_trainable_parameter():
+    model = nn.Linear(4, 4).requires_grad_(False)
+    with pytest.raises(autosac.NothingToCheckpointError, match="no parameter that requires grad: nothing to checkpoint"):
+        autosac.profile(model, torch.randn(2, 4))
+
+
+def test_output_not_differentiable():
+    class Argmax(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x).argmax(-1)
+
+    with pytest.raises(autosac.NothingToCheckpointError, match="not differentiable"):
+        autosac.profile(Argmax(), torch.randn(2, 4), loss_fn=lambda out: out.float().sum())
+
+
+def test_bad_optimizer_and_world_size():
+    with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
+        autosac.profile(nn.Linear(4, 4), torch.randn(2, 4), optimizer="lion")
+    with pytest.raises(ValueError, match="world_size"):
+        autosac.profile(nn.Linear(4, 4), torch.randn(2, 4), world_size=0)

@@ -1,0 +1,210 @@
+"""Memory numbers of the trace against hand-computed values on small models."""
+
+import pytest
+import torch
+from torch import nn
+
+import autosac
+
+F32 = 4
+
+
+def _profile(model, x, **kw):
+    kw.setdefault("optimizer", "none")
+    return autosac.profile(model, x, **kw)
+
+
+def _forward_end_live(stats):
+    """Live bytes after the last forward op of the model."""
+    last = max(i for i, p in enumerate(stats.timeline.phases) if p == "forward")
+    return stats.timeline.live_bytes[last]
+
+
+def test_linear_stack_exact_bytes():
+    model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.Linear(32, 8, bias=False))
+    x = torch.randn(4, 16)
+    s = _profile(model, x)
+    params = (16 * 32 + 32 * 8) * F32
+    assert s.param_bytes == params
+    assert s.grad_bytes == params
+    assert s.input_bytes == 4 * 16 * F32
+    # h1 (4x32) is saved by the second Linear's mm; x and the weights are not activations.
+    assert s.modules["0"].saved_bytes == 4 * 32 * F32
+    assert s.modules["1"].saved_bytes == 0
+    assert s.modules[""].saved_bytes_total == 4 * 32 * F32
+    assert s.modules["0"].input_bytes == 4 * 16 * F32
+    assert s.modules["0"].output_bytes == 4 * 32 * F32
+    assert s.modules["1"].output_bytes == 4 * 8 * F32
+    # after forward: params + input + h1 + y
+    assert _forward_end_live(s) == params + (4 * 16 + 4 * 32 + 4 * 8) * F32
+    # h1 is produced in "0" and saved in "1": only the root can discard it
+    assert s.modules[""].discardable_bytes == 4 * 32 * F32
+    assert s.modules["0"].discardable_bytes == 0
+
+
+def test_sgd_momentum_state_counts_as_optimizer_memory():
+    model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.Linear(32, 8, bias=False))
+    s = autosac.profile(model, torch.randn(4, 16), optimizer="sgd")
+    assert s.optimizer_bytes == s.param_bytes  # one momentum buffer per parameter
+    assert s.peak_breakdown["optim"] == s.param_bytes
+
+
+def test_mlp_relu_saves_only_relu_output():
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 8))
+    s = _profile(model, torch.randn(4, 16))
+    params = (16 * 64 + 64 + 64 * 8 + 8) * F32
+    act = 4 * 64 * F32
+    # relu's backward needs its output, which the next Linear also saves: counted once
+    assert s.modules["1"].saved_bytes == act
+    assert s.modules["0"].saved_bytes == 0  # the addmm output dies once relu has run
+    assert s.modules[""].saved_bytes_total == act
+    relu_event = s.timeline.ops.index("relu")
+    # during relu both its input and output are alive
+    assert s.timeline.live_bytes[relu_event] == params + 4 * 16 * F32 + 2 * act
+    assert _forward_end_live(s) == params + 4 * 16 * F32 + act + 4 * 8 * F32
+
+
+def test_inplace_relu_does_not_double_count():
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(inplace=True), nn.Linear(64, 8))
+    s = _profile(model, torch.randn(4, 16))
+    params = (16 * 64 + 64 + 64 * 8 + 8) * F32
+    act = 4 * 64 * F32
+    relu_event = s.timeline.ops.index("relu_")
+    assert s.timeline.live_bytes[relu_event] == params + 4 * 16 * F32 + act
+    (op,) = [o for o in s.saved_ops if o.bytes == act]
+    assert op.inplace and op.op == "addmm"
+    assert [s.timeline.ops[e] for e in op.writer_events] == ["relu_"]
+    # recomputing it means re-running addmm and relu_: only a module holding both may discard it
+    assert op.scope == "" and s.modules[""].discardable_bytes == act
+
+
+class Attention(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(d, d, bias=False) for _ in range(3))
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        p = torch.softmax(q @ k.transpose(-2, -1) / q.size(-1) ** 0.5, dim=-1)
+        return p @ v
+
+
+def test_attention_block_saved_bytes():
+    b, t, d = 2, 8, 16
+    s = _profile(Attention(d), torch.randn(b, t, d))
+    qkv = 3 * b * t * d * F32
+    probs = b * t * t * F32
+    root = s.modules[""]
+    assert root.saved_bytes_total == qkv + probs
+    assert root.saved_bytes == probs  # the softmax runs in the root module itself
+    for name in "qkv":
+        assert s.modules[name].saved_bytes == b * t * d * F32
+    assert root.discardable_bytes == qkv + probs
+    # the unscaled and scaled scores are transient: each lives only until its consumer ran
+    params = 3 * d * d * F32
+    assert _forward_end_live(s) == params + b * t * d * F32 + qkv + probs + b * t * d * F32
+
+
+def test_module_tree_and_orders():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Tanh()), nn.Linear(4, 1))
+    s = _profile(model, torch.randn(3, 4))
+    m = s.modules
+    assert m[""].children == ["0", "1", "2"]
+    assert m["1"].children == ["1.0", "1.1"] and m["1.0"].parent == "1"
+    assert [f for f, _ in sorted(m.items(), key=lambda kv: kv[1].fw_pre_order)] == ["", "0", "1", "1.0", "1.1", "2"]
+    assert m["1.1"].fw_post_order < m["1"].fw_post_order < m["2"].fw_post_order
+    # backward runs in reverse: the last Linear's backward starts first
+    assert m["2"].bw_pre_order < m["1"].bw_pre_order < m["0"].bw_pre_order
+    assert m["0"].bw_window[0] > m["2"].bw_window[1]
+    assert m["1"].bw_window[0] <= m["1.0"].bw_window[0] <= m["1.0"].bw_window[1] <= m["1"].bw_window[1]
+
+
+class Reuse(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(torch.relu(self.lin(x)))
+
+
+def test_module_called_twice():
+    s = _profile(Reuse(), torch.randn(2, 8))
+    lin = s.modules["lin"]
+    assert lin.calls == 2 and len(lin.fw_windows) == 2
+    assert s.param_bytes == (64 + 8) * F32
+
+
+def test_tied_weights_counted_once():
+    from autosac.models import build_model
+
+    tied, x = build_model("gpt-tiny")
+    untied, _ = build_model("gpt-tiny", tie_weights=False)
+    s_t, s_u = autosac.profile(tied, x), autosac.profile(untied, x)
+    vocab_dim = 256 * 64 * F32
+    assert s_u.param_bytes - s_t.param_bytes == vocab_dim
+    assert s_u.grad_bytes - s_t.grad_bytes == vocab_dim
+    assert s_t.param_bytes == sum(p.numel() for p in tied.parameters()) * F32
+
+
+def test_meta_real_and_fake_inputs_agree():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autosac.models import build_model
+
+    torch.manual_seed(0)
+    real_model, x = build_model("llama-tiny", device="cpu")
+    meta_model, _ = build_model("llama-tiny", device="meta")
+    fake_x = FakeTensorMode().from_tensor(x)  # a fake tensor from another mode
+    a = autosac.profile(real_model, x)
+    b = autosac.profile(meta_model, x.to("meta"))
+    c = autosac.profile(meta_model, fake_x)
+    assert a.peak_bytes == b.peak_bytes == c.peak_bytes
+    assert a.timeline.live_bytes == b.timeline.live_bytes
+    assert a.fingerprint == b.fingerprint
+    # the real model's weights are untouched and still real
+    assert all(not p.is_meta and type(p) is nn.Parameter for p in real_model.parameters())
+
+
+def test_autocast_records_param_casts_and_dtypes():
+    class Autocast(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = nn.Linear(32, 32)
+            self.fc2 = nn.Linear(32, 32)
+
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.fc2(self.fc1(x))
+
+    s = _profile(Autocast(), torch.randn(4, 32))
+    assert s.params["fc1.weight"].consumed_dtypes == ["bfloat16"]
+    assert s.params["fc2.weight"].consumed_dtypes == ["bfloat16"]
+    casts = [o for o in s.saved_ops if o.param_cast]
+    # fc2's input requires grad, so its addmm keeps the bf16 weight copy for backward;
+    # fc1's input does not, so its weight copy is not saved
+    assert [o.module for o in casts] == ["fc2"]
+    assert s.param_cast_bytes == 32 * 32 * 2
+
+
+def test_dropout_flagged_random():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8))
+    s = _profile(model, torch.randn(4, 8))
+    # on CPU dropout is empty_like -> bernoulli_ -> div_ -> mul: the mask's chain is random
+    (mask,) = [o for o in s.saved_ops if o.random]
+    assert mask.inplace and mask.module == "1" and mask.bytes == 4 * 8 * F32
+    assert s.modules["1"].discardable_bytes == 4 * 8 * F32
+
+
+def test_stats_json_round_trip_and_version_check():
+    from autosac.models import build_model
+
+    model, x = build_model("gpt-tiny")
+    s = autosac.profile(model, x)
+    again = autosac.ModelStats.from_json(s.to_json())
+    assert again == s
+    bad = s.to_json().replace('"format":1', '"format":99')
+    with pytest.raises(autosac.StatsFormatError, match="format 99"):
+        autosac.ModelStats.from_json(bad)
+    with pytest.raises(autosac.StatsFormatError):
+        autosac.ModelStats.from_json("{not json")

@@ -1,0 +1,80 @@
+"""Runtime estimates: the roofline against its formula, CPU timing, FLOP-less ops."""
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import autosac
+from autosac.devices import DEVICES, DeviceSpec
+
+
+def test_matmul_roofline_matches_formula():
+    m, k, n = 8192, 1024, 4096
+    model = nn.Linear(k, n, bias=False).to(torch.bfloat16)
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    s = autosac.profile(model, x, optimizer="none", target="h100")
+    h100 = DEVICES["h100"]
+    i = s.timeline.ops.index("mm")
+    flops = 2 * m * k * n
+    nbytes = (m * k + k * n + m * n) * 2
+    expected = 1e3 * max(flops / (989e12 * h100.compute_efficiency), nbytes / (3.35e12 * h100.memory_efficiency))
+    assert math.isclose(s.timeline.ms[i], expected, rel_tol=1e-9)
+    # compute-bound at this size: the FLOP term wins
+    assert math.isclose(expected, 1e3 * flops / (989e12 * 0.7), rel_tol=1e-9)
+
+
+def test_memory_bound_op_uses_bandwidth():
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU())
+    x = torch.randn(4096, 64)
+    spec = DeviceSpec("toy", {"float32": 1e12}, 1e9, compute_efficiency=1.0, memory_efficiency=1.0)
+    s = autosac.profile(model, x, optimizer="none", target=spec)
+    i = s.timeline.ops.index("gelu")
+    assert math.isclose(s.timeline.ms[i], 1e3 * 2 * 4096 * 64 * 4 / 1e9, rel_tol=1e-9)
+
+
+def test_module_runtime_sums_its_ops():
+    from autosac.models import build_model
+
+    model, idx = build_model("gpt-tiny")
+    s = autosac.profile(model, idx)
+    block = s.modules["blocks.0"]
+    fw = sum(ms for ms, mod, ph in zip(s.timeline.ms, s.timeline.modules, s.timeline.phases)
+             if ph == "forward" and mod and (mod == "blocks.0" or mod.startswith("blocks.0.")))
+    assert math.isclose(block.fw_ms, fw, rel_tol=1e-9)
+    assert block.bw_ms > block.fw_ms > 0  # backward does about twice the matmul work
+    assert math.isclose(s.step_ms, s.forward_ms + s.backward_ms + s.optimizer_ms, rel_tol=1e-9)
+
+
+def test_cpu_target_times_ops_locally():
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+    s = autosac.profile(model, torch.randn(512, 256), target="cpu")
+    mms = [ms for op, ms in zip(s.timeline.ops, s.timeline.ms) if op == "addmm"]
+    assert mms and all(0 < ms < 1e3 for ms in mms)
+    assert s.target["measured"] is True
+
+
+def test_op_without_flop_formula_warns_once_and_counts_memory_bound():
+    class Spectral(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(64, 64)
+
+        def forward(self, x):
+            return torch.fft.rfft(self.fc(x)).abs() + torch.fft.rfft(self.fc(x)).abs()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s = autosac.profile(Spectral(), torch.randn(8, 64), optimizer="none")
+    msgs = [str(w.message) for w in caught if "FLOP formula" in str(w.message)]
+    assert len(msgs) == 1 and "_fft_r2c" in msgs[0]
+    assert "aten._fft_r2c" in s.unknown_flop_ops
+    i = s.timeline.ops.index("_fft_r2c")
+    assert s.timeline.ms[i] > 0
+
+
+def test_unknown_target_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown target 'tpu'"):
+        autosac.profile(nn.Linear(2, 2), torch.randn(1, 2), target="tpu")
