@@ -12,6 +12,8 @@ from autosac.errors import (  # noqa: E402
     StatsFormatError,
     TraceError,
 )
+from autosac.plan import Plan  # noqa: E402
+from autosac.solver import solve  # noqa: E402
 from autosac.stats import ModelStats  # noqa: E402
 from autosac.trace import profile  # noqa: E402
 
@@ -20,8 +22,10 @@ __all__ = [
     "DeviceSpec",
     "InfeasibleBudgetError",
     "ModelStats",
+    "Plan",
     "NothingToCheckpointError",
     "StatsFormatError",
     "TraceError",
     "profile",
+    "solve",
 ]

@@ -101,12 +101,14 @@ class ParamStats:
 @dataclass
 class Timeline:
     """Columnar per-op record of the step: op name, phase, innermost module
-    (``None`` outside the model), live bytes after the op, and its ms."""
+    (``None`` outside the model), live bytes during the op (its inputs, outputs
+    and internal scratch), of which gradients, and its ms."""
 
     ops: list[str]
     phases: list[str]
     modules: list[str | None]
     live_bytes: list[int]
+    grad_bytes: list[int]
     ms: list[float]
 
     def __len__(self) -> int:

@@ -20,9 +20,11 @@ _RANDOM_OPS = {
 }
 
 
-def _live_timeline(storages: list[StorageRecord], n: int) -> np.ndarray:
+def _live_timeline(storages: list[StorageRecord], n: int, kind: str | None = None) -> np.ndarray:
     delta = np.zeros(n + 1, dtype=np.int64)
     for r in storages:
+        if kind is not None and r.kind != kind:
+            continue
         start = max(r.created, 0)
         end = min(r.freed if r.freed is not None else n, n)
         if end > start:
@@ -183,7 +185,8 @@ def aggregate(
         timeline=Timeline(
             ops=list(rec.ops), phases=list(rec.phases),
             modules=[s[-1] if s else None for s in rec.stacks],
-            live_bytes=[int(x) for x in live], ms=list(rec.ms),
+            live_bytes=[int(x) for x in live],
+            grad_bytes=[int(x) for x in _live_timeline(rec.storages, n, "grad")], ms=list(rec.ms),
         ),
         unknown_flop_ops=sorted(rec.unknown_ops), versions=versions,
     )

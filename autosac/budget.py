@@ -1,0 +1,67 @@
+"""Parse a memory budget: "8GiB", "500MB", "60%", an int of bytes, or a float of GiB."""
+
+from __future__ import annotations
+
+import math
+import re
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-z]*|%)\s*$", re.IGNORECASE)
+ACCEPTED = 'a string like "8GiB", "500MB", "60%" (of the unconstrained peak), an int of bytes, or a float of GiB'
+
+
+def parse_budget(budget: str | int | float, baseline_peak_bytes: int) -> int:
+    """Return the budget in bytes.
+
+    Args:
+        budget: ``"8GiB"``/``"8 gib"``/``"500MB"`` (binary and decimal units),
+            ``"60%"`` of ``baseline_peak_bytes``, an ``int`` of bytes, or a
+            ``float`` of GiB (as PyTorch's ``sac_milp`` takes it).
+        baseline_peak_bytes: the unconstrained peak, for percentages.
+
+    Raises:
+        ValueError: anything else, or a budget that is not positive, naming the accepted forms.
+
+    Example::
+
+        >>> parse_budget("1.5GiB", 0)
+        1610612736
+        >>> parse_budget("50%", 1000)
+        500
+    """
+    if isinstance(budget, bool):
+        raise ValueError(f"budget {budget!r} is a bool: use {ACCEPTED}")
+    if isinstance(budget, int):
+        value = budget
+    elif isinstance(budget, float):
+        if not math.isfinite(budget):
+            raise ValueError(f"budget {budget!r} is not finite: use {ACCEPTED}")
+        value = int(budget * 2**30)
+    elif isinstance(budget, str):
+        m = _PATTERN.match(budget)
+        if not m or m.group(2).lower() not in (*_UNITS, "%"):
+            raise ValueError(f"cannot parse budget {budget!r}: use {ACCEPTED}")
+        number, unit = float(m.group(1)), m.group(2).lower()
+        if unit == "%":
+            if number > 100:
+                raise ValueError(f"budget {budget!r} is over 100% of the unconstrained peak: nothing to plan")
+            value = int(baseline_peak_bytes * number / 100)
+        else:
+            value = int(number * _UNITS[unit])
+    else:
+        raise ValueError(f"budget of type {type(budget).__name__} is not understood: use {ACCEPTED}")
+    if value <= 0:
+        raise ValueError(f"budget {budget!r} is not positive: use {ACCEPTED}")
+    return value
+
+
+def format_bytes(n: float) -> str:
+    """``1.50 GiB``-style rendering for tables and messages."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"

@@ -1,0 +1,138 @@
+"""Plan: what to checkpoint, as plain data.  Produced by :func:`autosac.solve`,
+read by :func:`autosac.apply`; saved and loaded as JSON (never pickle)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from autosac.errors import StatsFormatError
+
+PLAN_FORMAT = 1
+
+
+@dataclass
+class RecomputeOp:
+    """One op call a decision recomputes, matched at run time by ``op`` name and
+    ``occurrence`` (0-based count of earlier calls of that op) inside the decided
+    module's forward.  ``writers`` are in-place ops on its output that recompute with it."""
+
+    op: str
+    occurrence: int
+    bytes: int
+    ms: float
+    random: bool = False
+    writers: list[list] = field(default_factory=list)  # [[op, occurrence], ...]
+
+
+@dataclass
+class Decision:
+    fqn: str
+    ratio: float  # discarded / discardable activation bytes, in (0, 1]
+    discard_bytes: int
+    discardable_bytes: int
+    recompute_ms: float
+    ops: list[RecomputeOp]
+
+
+@dataclass
+class Plan:
+    """Which modules to checkpoint and how much of each one's activations to discard.
+
+    ``decisions`` maps module fqn -> discard ratio; ``details`` holds, per
+    decision, the exact op calls it recomputes.  Bytes are peak tensor bytes of
+    one training step (DESIGN.md); times are ms on ``target``.
+
+    Example::
+
+        >>> plan = autosac.solve(model, "60%", example_inputs=idx)
+        >>> print(plan)                    # the decisions table and summary
+        >>> plan.save("plan.json"); same = Plan.load("plan.json")
+    """
+
+    model: str
+    fingerprint: str
+    target: str
+    world_size: int
+    optimizer: str
+    budget_bytes: int
+    baseline_peak_bytes: int
+    predicted_peak_bytes: int
+    recompute_ms: float
+    baseline_step_ms: float
+    step_ms: float
+    decisions: dict[str, float]
+    details: dict[str, Decision]
+    solver: dict
+    versions: dict[str, str]
+    format: int = PLAN_FORMAT
+
+    @property
+    def overhead(self) -> float:
+        """Recompute time as a fraction of the unmodified step time."""
+        return self.recompute_ms / self.baseline_step_ms if self.baseline_step_ms else 0.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Parse a plan; never executes code.
+
+        Raises:
+            StatsFormatError: not a plan of this format, or fields missing/mistyped.
+        """
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, TypeError) as e:
+            raise StatsFormatError(f"not a plan JSON document: {e}") from None
+        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
+            found = data.get("format") if isinstance(data, dict) else None
+            raise StatsFormatError(f"plan format {found!r} is not {PLAN_FORMAT}: re-plan with this autosac version")
+        try:
+            details = {
+                k: Decision(**{**v, "ops": [RecomputeOp(**o) for o in v["ops"]]}) for k, v in data["details"].items()
+            }
+            names = {f.name for f in fields(cls)}
+            plan = cls(**{**{k: v for k, v in data.items() if k in names}, "details": details})
+        except (KeyError, TypeError, AttributeError) as e:
+            raise StatsFormatError(f"malformed plan: {e}") from None
+        plan.validate()
+        return plan
+
+    def validate(self) -> None:
+        """Check internal consistency (hand edits included).
+
+        Raises:
+            StatsFormatError: a ratio outside (0, 1], or decisions and details disagreeing.
+        """
+        if set(self.decisions) != set(self.details):
+            raise StatsFormatError("malformed plan: decisions and details name different modules")
+        for fqn, ratio in self.decisions.items():
+            if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 < ratio <= 1:
+                raise StatsFormatError(f"malformed plan: discard ratio {ratio!r} of {fqn!r} is not in (0, 1]")
+            if not isinstance(fqn, str):
+                raise StatsFormatError(f"malformed plan: module name {fqn!r} is not a string")
+        names = sorted(self.decisions)
+        for a, b in zip(names, names[1:]):
+            if b.startswith(a + ".") or a == "":
+                raise StatsFormatError(f"malformed plan: {b!r} is nested inside checkpointed {a or '(root)'!r}")
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        """Load a plan saved with :meth:`save`.
+
+        Raises:
+            StatsFormatError: the file is not a valid plan.
+            FileNotFoundError: no such file.
+        """
+        return cls.from_json(Path(path).read_text())
+
+    def __str__(self) -> str:
+        from autosac.report import plan_table
+
+        return plan_table(self)

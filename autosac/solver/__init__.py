@@ -1,0 +1,169 @@
+"""Stage 2 of the pipeline: ModelStats + budget -> Plan, by an exact MILP."""
+
+from __future__ import annotations
+
+import math
+
+from autosac.budget import format_bytes, parse_budget
+from autosac.errors import InfeasibleBudgetError
+from autosac.plan import Decision, Plan, RecomputeOp
+from autosac.solver.backends import BACKENDS, Solution
+from autosac.solver.milp import build_milp, decode
+from autosac.solver.problem import Problem, build_problem
+from autosac.stats import ModelStats
+
+__all__ = ["solve", "solve_stats", "least_peak"]
+
+
+def solve(
+    model_or_stats,
+    budget: str | int | float,
+    example_inputs=None,
+    *,
+    loss_fn=None,
+    optimizer="adamw",
+    target="h100",
+    world_size: int = 1,
+    solver: str = "cbc",
+    time_limit_s: float = 60,
+    reserve: str | int | float = 0,
+    max_choices: int = 16,
+) -> Plan:
+    """Pick which modules to checkpoint, and how much of each one's activations
+    to discard, so the step's peak fits ``budget`` with the least recompute time.
+
+    Args:
+        model_or_stats: an ``nn.Module`` (profiled here with ``example_inputs``,
+            ``loss_fn``, ``optimizer``, ``target``, ``world_size``) or a
+            :class:`ModelStats` from :func:`autosac.profile` (profile once, solve many).
+        budget: ``"8GiB"``, ``"500MB"``, ``"60%"`` of the unconstrained peak,
+            an ``int`` of bytes or a ``float`` of GiB.
+        solver: ``"cbc"`` (PuLP) or ``"highs"`` (SciPy); both reach the same optimum.
+        time_limit_s: on hitting it the best feasible plan found is returned,
+            flagged ``plan.solver["status"] == "time_limit"``.
+        reserve: headroom kept free for allocator overheads, same forms as ``budget``
+            (no percentages); subtracted from the budget.
+        max_choices: discard choices offered per module (breakpoints of its curve).
+
+    Returns:
+        Plan: decisions {fqn: discard ratio}, the ops each recomputes, predicted peak.
+
+    Raises:
+        InfeasibleBudgetError: no plan reaches the budget; ``.min_feasible_bytes`` says what does.
+        ValueError: a malformed budget, an unknown solver, or a model without example_inputs.
+
+    Example::
+
+        >>> plan = autosac.solve(model, "60%", example_inputs=idx, target="h100")
+        >>> plan.decisions
+        {'blocks.0': 1.0, 'blocks.1.attn': 0.73, ...}
+    """
+    if solver not in BACKENDS:
+        raise ValueError(f"unknown solver {solver!r}: use one of {', '.join(BACKENDS)}")
+    if isinstance(model_or_stats, ModelStats):
+        stats = model_or_stats
+    else:
+        if example_inputs is None:
+            raise ValueError("solve(model, ...) needs example_inputs= to profile the model (or pass a ModelStats)")
+        from autosac.trace import profile
+
+        stats = profile(model_or_stats, example_inputs, loss_fn=loss_fn, optimizer=optimizer,
+                        target=target, world_size=world_size)
+    budget_bytes = parse_budget(budget, stats.peak_bytes)
+    if reserve:
+        if isinstance(reserve, str) and reserve.strip().endswith("%"):
+            raise ValueError("reserve must be an absolute size like '2GiB', not a percentage")
+        budget_bytes -= parse_budget(reserve, stats.peak_bytes)
+        if budget_bytes <= 0:
+            raise ValueError("reserve is not smaller than the budget: nothing left to plan for")
+    return solve_stats(stats, budget_bytes, solver=solver, time_limit_s=time_limit_s, max_choices=max_choices)
+
+
+def solve_stats(
+    stats: ModelStats, budget_bytes: int, *, solver: str = "cbc", time_limit_s: float = 60,
+    max_choices: int = 16, problem: Problem | None = None,
+) -> Plan:
+    """:func:`solve` for a budget already in bytes (``problem`` may be reused across budgets)."""
+    problem = problem or build_problem(stats, max_choices)
+    if int(problem.live.max(initial=0)) <= budget_bytes:
+        return _make_plan(stats, problem, {}, budget_bytes, _trivial(solver))
+    sol = BACKENDS[solver](build_milp(problem, budget_bytes), time_limit_s)
+    if sol.x is None:
+        best = least_peak(problem, solver=solver, time_limit_s=time_limit_s)
+        if sol.status == "infeasible" or best[0] > budget_bytes:
+            raise InfeasibleBudgetError(
+                f"budget {format_bytes(budget_bytes)} is below the least reachable peak "
+                f"{format_bytes(best[0])}: raise the budget to at least that",
+                min_feasible_bytes=best[0],
+            )
+        # time limit without a plan of its own: the least-peak plan fits, so use it, flagged
+        return _make_plan(stats, problem, best[1], budget_bytes, {**_info(sol), "status": "time_limit_fallback"})
+    choice = decode(build_milp(problem, budget_bytes), sol.x)
+    return _make_plan(stats, problem, choice, budget_bytes, _info(sol))
+
+
+def least_peak(problem: Problem, *, solver: str = "cbc", time_limit_s: float = 60) -> tuple[int, dict[int, int]]:
+    """The least peak any plan reaches, and a plan that reaches it."""
+    milp = build_milp(problem, None)
+    sol = BACKENDS[solver](milp, time_limit_s)
+    if sol.x is None:
+        return int(problem.live.max(initial=0)), {}
+    choice = decode(milp, sol.x)
+    return problem.evaluate(choice), choice
+
+
+def _trivial(backend: str) -> dict:
+    return {"backend": backend, "status": "optimal", "gap": 0.0, "seconds": 0.0, "objective": 0.0, "bound": 0.0}
+
+
+def _info(sol: Solution) -> dict:
+    return {
+        "backend": sol.backend, "status": sol.status, "gap": sol.gap if math.isfinite(sol.gap) else None,
+        "seconds": sol.seconds, "objective": sol.objective, "bound": sol.bound,
+    }
+
+
+def _make_plan(stats: ModelStats, problem: Problem, choice: dict[int, int], budget_bytes: int, info: dict) -> Plan:
+    tl = stats.timeline
+    details: dict[str, Decision] = {}
+    for i, k in sorted(choice.items()):
+        cand = problem.candidates[i]
+        window = stats.modules[cand.fqn].fw_windows[0]
+        occ = _occurrences(tl.ops, window)
+        ops = []
+        for op_id in cand.op_order[: cand.n_ops[k - 1]]:
+            op = stats.saved_ops[op_id]
+            ops.append(RecomputeOp(
+                op=op.op, occurrence=occ[op.event], bytes=op.bytes, ms=op.ms, random=op.random,
+                writers=[[tl.ops[w], occ[w]] for w in op.writer_events],
+            ))
+        ops.sort(key=lambda o: (o.op, o.occurrence))
+        details[cand.fqn] = Decision(
+            fqn=cand.fqn, ratio=min(1.0, cand.bytes[k - 1] / cand.discardable_bytes),
+            discard_bytes=cand.bytes[k - 1], discardable_bytes=cand.discardable_bytes,
+            recompute_ms=cand.ms[k - 1], ops=ops,
+        )
+    peak = problem.evaluate(choice)
+    recompute = problem.recompute_ms(choice)
+    from autosac import __version__
+
+    return Plan(
+        model=stats.model, fingerprint=stats.fingerprint, target=stats.target.get("name", "?"),
+        world_size=stats.world_size, optimizer=stats.optimizer, budget_bytes=int(budget_bytes),
+        baseline_peak_bytes=stats.peak_bytes, predicted_peak_bytes=peak, recompute_ms=recompute,
+        baseline_step_ms=stats.step_ms, step_ms=stats.step_ms + recompute,
+        decisions={f: d.ratio for f, d in details.items()}, details=details, solver=info,
+        versions={"autosac": __version__, **{k: v for k, v in stats.versions.items() if k != "autosac"}},
+    )
+
+
+def _occurrences(ops: list[str], window: list[int]) -> dict[int, int]:
+    """Event index -> how many earlier calls of the same op the window holds."""
+    seen: dict[str, int] = {}
+    out = {}
+    for e in range(window[0], window[1]):
+        out[e] = seen.get(ops[e], 0)
+        seen[ops[e]] = out[e] + 1
+    return out
+
+

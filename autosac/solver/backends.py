@@ -1,0 +1,108 @@
+"""Two MILP backends over the same matrix: CBC through PuLP, and HiGHS through SciPy."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from autosac.solver.milp import MatrixMILP
+
+GAP = 1e-4
+
+
+@dataclass
+class Solution:
+    x: np.ndarray | None  # None: no feasible point found
+    status: str  # optimal | time_limit | infeasible | error
+    objective: float
+    bound: float  # best proven lower bound on the objective
+    gap: float  # relative gap between objective and bound
+    seconds: float
+    backend: str
+
+
+def _gap(obj: float, bound: float) -> float:
+    if not math.isfinite(obj) or not math.isfinite(bound):
+        return math.inf
+    return max(0.0, obj - bound) / max(abs(obj), 1e-9)
+
+
+def solve_highs(m: MatrixMILP, time_limit_s: float) -> Solution:
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    t0 = time.perf_counter()
+    res = milp(
+        m.c,
+        integrality=m.integer,
+        bounds=Bounds(m.lb, m.ub),
+        constraints=[LinearConstraint(m.A, m.row_lo, m.row_hi)] if m.A.shape[0] else [],
+        options={"time_limit": float(time_limit_s), "mip_rel_gap": GAP, "disp": False},
+    )
+    dt = time.perf_counter() - t0
+    if res.x is None:
+        status = "infeasible" if res.status == 2 else ("time_limit" if res.status == 1 else "error")
+        return Solution(None, status, math.inf, math.nan, math.inf, dt, "highs")
+    obj = float(m.c @ res.x)
+    bound = float(getattr(res, "mip_dual_bound", obj) if res.mip_dual_bound is not None else obj)
+    status = "optimal" if res.status == 0 else "time_limit"
+    return Solution(res.x, status, obj, bound, _gap(obj, bound), dt, "highs")
+
+
+def solve_cbc(m: MatrixMILP, time_limit_s: float) -> Solution:
+    import pulp
+
+    t0 = time.perf_counter()
+    prob = pulp.LpProblem("autosac", pulp.LpMinimize)
+    xs = []
+    for j in range(len(m.c)):
+        cat = pulp.LpBinary if m.integer[j] and m.ub[j] == 1 and m.lb[j] == 0 else pulp.LpContinuous
+        ub = None if math.isinf(m.ub[j]) else float(m.ub[j])
+        xs.append(pulp.LpVariable(f"x{j}", lowBound=float(m.lb[j]), upBound=ub, cat=cat))
+    prob += pulp.LpAffineExpression([(xs[j], float(v)) for j, v in enumerate(m.c) if v != 0.0]) + 0.0
+    A = m.A.tocsr()
+    for r in range(A.shape[0]):
+        lo_i, hi_i = A.indptr[r], A.indptr[r + 1]
+        expr = pulp.LpAffineExpression([(xs[j], float(v)) for j, v in zip(A.indices[lo_i:hi_i], A.data[lo_i:hi_i])])
+        lo, hi = m.row_lo[r], m.row_hi[r]
+        if lo == hi:
+            prob += expr == float(lo)
+        else:
+            if math.isfinite(lo):
+                prob += expr >= float(lo)
+            if math.isfinite(hi):
+                prob += expr <= float(hi)
+    fd, log = tempfile.mkstemp(suffix=".log")
+    os.close(fd)
+    try:
+        prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=GAP, threads=1, logPath=log))
+        with open(log) as f:
+            text = f.read()
+    finally:
+        os.unlink(log)
+    dt = time.perf_counter() - t0
+    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        status = "infeasible" if prob.status == pulp.LpStatusInfeasible else (
+            "time_limit" if "time limit" in text.lower() or "Stopped" in text else "error")
+        return Solution(None, status, math.inf, math.nan, math.inf, dt, "cbc")
+    x = np.array([v.value() or 0.0 for v in xs])
+    obj = float(m.c @ x)
+    bound = _cbc_bound(text, obj)
+    status = "optimal" if prob.sol_status == pulp.LpSolutionOptimal and "Stopped on time" not in text else "time_limit"
+    return Solution(x, status, obj, bound, _gap(obj, bound), dt, "cbc")
+
+
+def _cbc_bound(log: str, obj: float) -> float:
+    """CBC's best bound from its log ("Lower bound:"), the objective when it closed the tree."""
+    m = re.findall(r"Lower bound:\s+([-0-9.eE+]+)", log)
+    if m:
+        return float(m[-1])
+    return obj
+
+
+BACKENDS = {"cbc": solve_cbc, "highs": solve_highs}

@@ -1,0 +1,166 @@
+"""The checkpointing problem, read off a ModelStats: candidate modules, their
+realizable discard choices, and the step's memory timeline as the plan sees it.
+
+Memory model (bytes alive at each event of the step):
+
+* the traced timeline, less parameter casts (``apply`` never saves them), with
+  params, grads and optimizer state sharded over ``world_size`` and the
+  parameters of the FSDP unit in use gathered;
+* checkpointing module ``i`` with discard choice ``k`` frees ``bytes[i][k]``
+  from the end of its forward until its backward starts, when it recomputes
+  them; while it recomputes, its forward's transient working memory is live.
+
+A choice ``k`` discards the first ``k`` saved ops in the cheapest-ms-per-byte
+order, so every choice is a real set of ops and the curve through the choices
+is the module's exact convex tradeoff curve (or a subset of its breakpoints).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autosac.stats import ModelStats
+
+
+@dataclass
+class Candidate:
+    fqn: str
+    start: int  # first event after its forward: savings begin
+    end: int  # first event of its backward: recomputation
+    bytes: list[int]  # per choice k (k = 1..K): bytes discarded
+    ms: list[float]  # per choice: recompute ms, fixed part included
+    n_ops: list[int]  # per choice: how many ops of ``op_order`` are discarded
+    op_order: list[int]  # saved op ids, cheapest ms/byte first
+    discardable_bytes: int
+    work_bytes: int  # transient memory while it recomputes
+    ancestors: list[int] = field(default_factory=list)  # candidate indices above it
+
+
+@dataclass
+class Problem:
+    live: np.ndarray  # bytes alive per event, as the plan sees them, before any checkpointing
+    candidates: list[Candidate]
+    always_ms: float  # recompute every plan pays: parameter casts
+    baseline_peak: int  # the unconstrained peak, as traced
+
+    def evaluate(self, choice: dict[int, int]) -> int:
+        """Peak bytes when candidate ``i`` takes choice ``k`` (1-based) for each item."""
+        mem = self.live.astype(np.int64).copy()
+        extra = np.zeros_like(mem)
+        for i, k in choice.items():
+            c = self.candidates[i]
+            mem[c.start : c.end] -= c.bytes[k - 1]
+            extra[c.end] = max(extra[c.end], c.work_bytes)
+        return int((mem + extra).max()) if len(mem) else 0
+
+    def recompute_ms(self, choice: dict[int, int]) -> float:
+        return self.always_ms + sum(self.candidates[i].ms[k - 1] for i, k in choice.items())
+
+
+def _choice_indices(cum_bytes: np.ndarray, cum_ms: np.ndarray, max_choices: int) -> list[int]:
+    """Prefix lengths worth offering: where the curve's slope changes (plus the
+    end), thinned to ``max_choices`` by keeping the breakpoints farthest above
+    the chords -- chords of a convex curve over-estimate, never under-estimate."""
+    n = len(cum_bytes)
+    xs = np.concatenate(([0], cum_bytes))
+    ys = np.concatenate(([0.0], cum_ms))
+    keep = [0]
+    for j in range(1, n):
+        (x0, y0), (x1, y1), (x2, y2) = (xs[keep[-1]], ys[keep[-1]]), (xs[j], ys[j]), (xs[j + 1], ys[j + 1])
+        if abs((y1 - y0) * (x2 - x1) - (y2 - y1) * (x1 - x0)) > 1e-12 * max(1.0, y2) * max(1, x2):
+            keep.append(j)
+    keep.append(n)
+    if len(keep) - 1 > max_choices:
+        from autosac.trace.tradeoff import compress_curve
+
+        pts = [[float(xs[j]), float(ys[j])] for j in keep]
+        kept = {tuple(p) for p in compress_curve(pts, max_choices + 1)}
+        keep = [j for j in keep if (float(xs[j]), float(ys[j])) in kept]
+    return keep[1:]
+
+
+def _adjusted_live(stats: ModelStats) -> np.ndarray:
+    tl = stats.timeline
+    live = np.asarray(tl.live_bytes, dtype=np.int64)
+    n = len(live)
+    # Parameter casts are re-made on use, never saved: drop them once their consumer ran.
+    for op in stats.saved_ops:
+        if op.param_cast:
+            use = op.event + 1
+            while use < n and tl.ms[use] == 0.0 and tl.phases[use] == "forward":
+                use += 1  # views of the cast
+            live[use + 1 : op.freed_event] -= op.bytes
+    w = stats.world_size
+    if w > 1:
+        frac = 1.0 - 1.0 / w
+        grads = np.asarray(tl.grad_bytes, dtype=np.int64)
+        live = live - (frac * (stats.param_bytes + stats.optimizer_bytes + grads)).astype(np.int64)
+        live += (frac * _gathered_unit_bytes(stats)).astype(np.int64)
+    return live
+
+
+def _gathered_unit_bytes(stats: ModelStats) -> np.ndarray:
+    """Full parameter bytes of the FSDP unit each event runs in: children of a
+    ModuleList/Sequential container are units (the usual per-block wrapping);
+    everything else belongs to the root unit."""
+    units = {}
+    for fqn, m in stats.modules.items():
+        if m.parent is not None and stats.modules[m.parent].type in ("ModuleList", "Sequential", "ModuleDict"):
+            units[fqn] = m.param_bytes_total
+    root_bytes = stats.param_bytes - sum(units.values())
+    out = np.empty(len(stats.timeline), dtype=np.float64)
+    cache: dict[str | None, float] = {}
+    for t, mod in enumerate(stats.timeline.modules):
+        if mod not in cache:
+            unit, probe = root_bytes, mod
+            while probe is not None:
+                if probe in units:
+                    unit = units[probe]
+                    break
+                probe = stats.modules[probe].parent if probe in stats.modules else None
+            cache[mod] = unit
+        out[t] = cache[mod]
+    return out
+
+
+def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
+    """Read the checkpointing problem off ``stats``.
+
+    Candidates are modules called once per step whose subtree saves discardable
+    activations; each offers at most ``max_choices`` discard choices.
+    """
+    live = _adjusted_live(stats)
+    raw = np.asarray(stats.timeline.live_bytes, dtype=np.int64)
+    candidates: list[Candidate] = []
+    index: dict[str, int] = {}
+    for fqn in stats.subtree(stats.root):
+        m = stats.modules[fqn]
+        if m.calls != 1 or not m.saved_op_ids or m.bw_window is None or m.discardable_bytes <= 0:
+            continue
+        fw_start, fw_end = m.fw_windows[0]
+        if fw_end > m.bw_window[0]:
+            continue
+        ops = sorted(m.saved_op_ids, key=lambda i: (stats.saved_ops[i].ms / stats.saved_ops[i].bytes, i))
+        cum_b = np.cumsum([stats.saved_ops[i].bytes for i in ops])
+        cum_t = np.cumsum([stats.saved_ops[i].ms for i in ops])
+        picks = _choice_indices(cum_b, cum_t, max_choices)
+        window = raw[fw_start:fw_end]
+        work = max(0, int(window.max()) - int(raw[fw_end - 1])) if len(window) else 0
+        cand = Candidate(
+            fqn=fqn, start=fw_end, end=m.bw_window[0],
+            bytes=[int(cum_b[j - 1]) for j in picks],
+            ms=[float(cum_t[j - 1]) + m.fixed_recompute_ms for j in picks],
+            n_ops=picks, op_order=ops, discardable_bytes=int(cum_b[-1]),
+            work_bytes=work,
+        )
+        probe = m.parent
+        while probe is not None:
+            if probe in index:
+                cand.ancestors.append(index[probe])
+            probe = stats.modules[probe].parent
+        index[fqn] = len(candidates)
+        candidates.append(cand)
+    always = sum(op.ms for op in stats.saved_ops if op.param_cast)
+    return Problem(live=live, candidates=candidates, always_ms=always, baseline_peak=stats.peak_bytes)
