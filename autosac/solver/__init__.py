@@ -89,15 +89,17 @@ def solve_stats(
         return _make_plan(stats, problem, {}, budget_bytes, _trivial(solver))
     sol = BACKENDS[solver](build_milp(problem, budget_bytes), time_limit_s)
     if sol.x is None:
-        best = least_peak(problem, solver=solver, time_limit_s=time_limit_s)
-        if sol.status == "infeasible" or best[0] > budget_bytes:
+        # No plan of its own: either the budget is below the least peak, or the
+        # time limit hit first.  The least-peak problem settles it (and, within
+        # budget, is a plan to fall back on); it gets some time of its own.
+        best_peak, best_choice = least_peak(problem, solver=solver, time_limit_s=max(time_limit_s, 10.0))
+        if best_peak > budget_bytes:
             raise InfeasibleBudgetError(
                 f"budget {format_bytes(budget_bytes)} is below the least reachable peak "
-                f"{format_bytes(best[0])}: raise the budget to at least that",
-                min_feasible_bytes=best[0],
+                f"{format_bytes(best_peak)}: raise the budget to at least that",
+                min_feasible_bytes=best_peak,
             )
-        # time limit without a plan of its own: the least-peak plan fits, so use it, flagged
-        return _make_plan(stats, problem, best[1], budget_bytes, {**_info(sol), "status": "time_limit_fallback"})
+        return _make_plan(stats, problem, best_choice, budget_bytes, {**_info(sol), "status": "time_limit_fallback"})
     choice = decode(build_milp(problem, budget_bytes), sol.x)
     return _make_plan(stats, problem, choice, budget_bytes, _info(sol))
 

@@ -63,7 +63,7 @@ def solve_cbc(m: MatrixMILP, time_limit_s: float) -> Solution:
     for j in range(len(m.c)):
         cat = pulp.LpBinary if m.integer[j] and m.ub[j] == 1 and m.lb[j] == 0 else pulp.LpContinuous
         ub = None if math.isinf(m.ub[j]) else float(m.ub[j])
-        xs.append(pulp.LpVariable(f"x{j}", lowBound=float(m.lb[j]), upBound=ub, cat=cat))
+        xs.append(prob.add_variable(f"x{j}", lowBound=float(m.lb[j]), upBound=ub, cat=cat))
     prob += pulp.LpAffineExpression([(xs[j], float(v)) for j, v in enumerate(m.c) if v != 0.0]) + 0.0
     A = m.A.tocsr()
     for r in range(A.shape[0]):
@@ -80,7 +80,7 @@ def solve_cbc(m: MatrixMILP, time_limit_s: float) -> Solution:
     fd, log = tempfile.mkstemp(suffix=".log")
     os.close(fd)
     try:
-        prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=GAP, threads=1, logPath=log))
+        prob.solve(_cbc_command(time_limit_s, log))
         with open(log) as f:
             text = f.read()
     finally:
@@ -95,6 +95,21 @@ def solve_cbc(m: MatrixMILP, time_limit_s: float) -> Solution:
     bound = _cbc_bound(text, obj)
     status = "optimal" if prob.sol_status == pulp.LpSolutionOptimal and "Stopped on time" not in text else "time_limit"
     return Solution(x, status, obj, bound, _gap(obj, bound), dt, "cbc")
+
+
+def _cbc_command(time_limit_s: float, log: str):
+    """A system CBC if one is installed, else the binary PuLP bundles."""
+    import warnings
+
+    import pulp
+
+    opts = dict(msg=False, timeLimit=time_limit_s, gapRel=GAP, threads=1, logPath=log)
+    coin = pulp.COIN_CMD(**opts)
+    if coin.available():
+        return coin
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # PuLP 3.x flags its bundled CBC for 4.0
+        return pulp.PULP_CBC_CMD(**opts)
 
 
 def _cbc_bound(log: str, obj: float) -> float:
