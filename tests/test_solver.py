@@ -58,18 +58,50 @@ def test_small_tree_is_small_enough_to_enumerate(small):
     assert math.prod(len(c.bytes) + 1 for c in problem.candidates) < 200_000
 
 
+@pytest.mark.parametrize("presolve", [False, True])
 @pytest.mark.parametrize("backend", ["cbc", "highs"])
 @pytest.mark.parametrize("frac", [0.0, 0.2, 0.45, 0.7, 0.9])
-def test_milp_equals_exhaustive_search(small, backend, frac):
+def test_milp_equals_exhaustive_search(small, backend, frac, presolve):
     stats, problem = small
     low, _ = least_peak(problem, solver=backend)
     top = int(problem.live.max())
     budget = int(low + frac * (top - low))
     best_ms, _ = _exhaustive(problem, budget)
-    plan = solve_stats(stats, budget, solver=backend, max_choices=2, problem=problem)
+    plan = solve_stats(stats, budget, solver=backend, max_choices=2, problem=problem, presolve=presolve)
+    assert (plan.solver.get("presolve") == "chain") == presolve
     assert plan.predicted_peak_bytes <= budget
     assert math.isclose(plan.recompute_ms, best_ms, rel_tol=1e-4, abs_tol=1e-9)
     assert plan.solver["status"] == "optimal" and plan.solver["gap"] <= 1e-4
+
+
+@pytest.mark.parametrize("frac", [0.0, 0.3, 0.6, 0.95])
+def test_chain_dp_equals_exhaustive_search(small, frac):
+    from autosac.solver.chain import is_chain, solve_chain
+    from autosac.solver.milp import milp_needs
+
+    _, problem = small
+    assert is_chain(problem)
+    low, _ = least_peak(problem)
+    budget = int(low + frac * (int(problem.live.max()) - low))
+    best_ms, _ = _exhaustive(problem, budget)
+    result = solve_chain(problem, budget, milp_needs(problem, budget))
+    assert math.isclose(result.objective + problem.always_ms, best_ms, rel_tol=1e-9, abs_tol=1e-12)
+    assert problem.evaluate(result.choice) <= budget
+    assert solve_chain(problem, low - 1, milp_needs(problem, low - 1)) is None
+
+
+def test_chain_dp_agrees_with_plain_milp_on_a_transformer():
+    from autosac.models import build_model
+
+    model, idx = build_model("seed-transformer", n_layer=6)
+    stats = autosac.profile(model, idx)
+    problem = build_problem(stats)
+    for frac in (0.35, 0.5, 0.75):
+        budget = int(stats.peak_bytes * frac)
+        fast = solve_stats(stats, budget, problem=problem, solver="highs")
+        plain = solve_stats(stats, budget, problem=problem, solver="highs", presolve=False)
+        assert math.isclose(fast.recompute_ms, plain.recompute_ms, rel_tol=1e-4)
+        assert fast.predicted_peak_bytes <= budget and plain.predicted_peak_bytes <= budget
 
 
 def test_least_peak_equals_exhaustive_minimum(small):

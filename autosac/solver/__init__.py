@@ -8,7 +8,8 @@ from autosac.budget import format_bytes, parse_budget
 from autosac.errors import InfeasibleBudgetError
 from autosac.plan import Decision, Plan, RecomputeOp
 from autosac.solver.backends import BACKENDS, Solution
-from autosac.solver.milp import build_milp, decode
+from autosac.solver.chain import is_chain, solve_chain
+from autosac.solver.milp import build_milp, decode, encode, milp_needs, with_objective_bound
 from autosac.solver.problem import Problem, build_problem
 from autosac.stats import ModelStats
 
@@ -28,6 +29,7 @@ def solve(
     time_limit_s: float = 60,
     reserve: str | int | float = 0,
     max_choices: int = 16,
+    presolve: bool = True,
 ) -> Plan:
     """Pick which modules to checkpoint, and how much of each one's activations
     to discard, so the step's peak fits ``budget`` with the least recompute time.
@@ -44,6 +46,8 @@ def solve(
         reserve: headroom kept free for allocator overheads, same forms as ``budget``
             (no percentages); subtracted from the budget.
         max_choices: discard choices offered per module (breakpoints of its curve).
+        presolve: when module intervals nest (sequential models), solve exactly by
+            the chain DP first and hand its optimum to the MILP as bound and start.
 
     Returns:
         Plan: decisions {fqn: discard ratio}, the ops each recomputes, predicted peak.
@@ -76,18 +80,31 @@ def solve(
         budget_bytes -= parse_budget(reserve, stats.peak_bytes)
         if budget_bytes <= 0:
             raise ValueError("reserve is not smaller than the budget: nothing left to plan for")
-    return solve_stats(stats, budget_bytes, solver=solver, time_limit_s=time_limit_s, max_choices=max_choices)
+    return solve_stats(stats, budget_bytes, solver=solver, time_limit_s=time_limit_s, max_choices=max_choices,
+                       presolve=presolve)
 
 
 def solve_stats(
     stats: ModelStats, budget_bytes: int, *, solver: str = "cbc", time_limit_s: float = 60,
-    max_choices: int = 16, problem: Problem | None = None,
+    max_choices: int = 16, problem: Problem | None = None, presolve: bool = True,
 ) -> Plan:
     """:func:`solve` for a budget already in bytes (``problem`` may be reused across budgets)."""
     problem = problem or build_problem(stats, max_choices)
     if int(problem.live.max(initial=0)) <= budget_bytes:
         return _make_plan(stats, problem, {}, budget_bytes, _trivial(solver))
-    sol = BACKENDS[solver](build_milp(problem, budget_bytes), time_limit_s)
+    milp = build_milp(problem, budget_bytes)
+    start = None
+    if presolve and is_chain(problem):
+        # Nested intervals: the exact chain DP gives the optimum; the MILP gets it
+        # as a proven lower bound and (CBC) as its starting solution.
+        chain = solve_chain(problem, budget_bytes, milp_needs(problem, budget_bytes))
+        if chain is None:
+            milp = None
+        else:
+            milp = with_objective_bound(milp, chain.objective * (1 - 1e-9) - 1e-9)
+            start = encode(milp, chain.choice)
+    sol = BACKENDS[solver](milp, time_limit_s, start) if milp is not None else Solution(
+        None, "infeasible", math.inf, math.nan, math.inf, 0.0, solver)
     if sol.x is None:
         # No plan of its own: either the budget is below the least peak, or the
         # time limit hit first.  The least-peak problem settles it (and, within
@@ -100,8 +117,10 @@ def solve_stats(
                 min_feasible_bytes=best_peak,
             )
         return _make_plan(stats, problem, best_choice, budget_bytes, {**_info(sol), "status": "time_limit_fallback"})
-    choice = decode(build_milp(problem, budget_bytes), sol.x)
-    return _make_plan(stats, problem, choice, budget_bytes, _info(sol))
+    choice = decode(milp, sol.x)
+    info = _info(sol)
+    info["presolve"] = "chain" if start is not None else None
+    return _make_plan(stats, problem, choice, budget_bytes, info)
 
 
 def least_peak(problem: Problem, *, solver: str = "cbc", time_limit_s: float = 60) -> tuple[int, dict[int, int]]:

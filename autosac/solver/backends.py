@@ -33,7 +33,8 @@ def _gap(obj: float, bound: float) -> float:
     return max(0.0, obj - bound) / max(abs(obj), 1e-9)
 
 
-def solve_highs(m: MatrixMILP, time_limit_s: float) -> Solution:
+def solve_highs(m: MatrixMILP, time_limit_s: float, start: np.ndarray | None = None) -> Solution:
+    # SciPy's HiGHS interface takes no starting solution; ``start`` is accepted for symmetry.
     from scipy.optimize import Bounds, LinearConstraint, milp
 
     t0 = time.perf_counter()
@@ -54,7 +55,7 @@ def solve_highs(m: MatrixMILP, time_limit_s: float) -> Solution:
     return Solution(res.x, status, obj, bound, _gap(obj, bound), dt, "highs")
 
 
-def solve_cbc(m: MatrixMILP, time_limit_s: float) -> Solution:
+def solve_cbc(m: MatrixMILP, time_limit_s: float, start: np.ndarray | None = None) -> Solution:
     import pulp
 
     t0 = time.perf_counter()
@@ -77,10 +78,13 @@ def solve_cbc(m: MatrixMILP, time_limit_s: float) -> Solution:
                 prob += expr >= float(lo)
             if math.isfinite(hi):
                 prob += expr <= float(hi)
+    if start is not None:
+        for v, val in zip(xs, start):
+            v.setInitialValue(float(val))
     fd, log = tempfile.mkstemp(suffix=".log")
     os.close(fd)
     try:
-        prob.solve(_cbc_command(time_limit_s, log))
+        prob.solve(_cbc_command(time_limit_s, log, warm=start is not None))
         with open(log) as f:
             text = f.read()
     finally:
@@ -97,13 +101,13 @@ def solve_cbc(m: MatrixMILP, time_limit_s: float) -> Solution:
     return Solution(x, status, obj, bound, _gap(obj, bound), dt, "cbc")
 
 
-def _cbc_command(time_limit_s: float, log: str):
+def _cbc_command(time_limit_s: float, log: str, warm: bool = False):
     """A system CBC if one is installed, else the binary PuLP bundles."""
     import warnings
 
     import pulp
 
-    opts = dict(msg=False, timeLimit=time_limit_s, gapRel=GAP, threads=1, logPath=log)
+    opts = dict(msg=False, timeLimit=time_limit_s, gapRel=GAP, threads=1, logPath=log, warmStart=warm)
     coin = pulp.COIN_CMD(**opts)
     if coin.available():
         return coin

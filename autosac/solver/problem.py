@@ -134,7 +134,6 @@ def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
     live = _adjusted_live(stats)
     raw = np.asarray(stats.timeline.live_bytes, dtype=np.int64)
     candidates: list[Candidate] = []
-    index: dict[str, int] = {}
     for fqn in stats.subtree(stats.root):
         m = stats.modules[fqn]
         if m.calls != 1 or not m.saved_op_ids or m.bw_window is None or m.discardable_bytes <= 0:
@@ -155,12 +154,16 @@ def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
             n_ops=picks, op_order=ops, discardable_bytes=int(cum_b[-1]),
             work_bytes=work,
         )
-        probe = m.parent
+        candidates.append(cand)
+    # order by forward end (children before parents); in sequential models this
+    # makes the intervals nest, which the chain solver exploits
+    candidates.sort(key=lambda c: (c.start, -c.end, -stats.modules[c.fqn].depth))
+    index = {c.fqn: i for i, c in enumerate(candidates)}
+    for c in candidates:
+        probe = stats.modules[c.fqn].parent
         while probe is not None:
             if probe in index:
-                cand.ancestors.append(index[probe])
+                c.ancestors.append(index[probe])
             probe = stats.modules[probe].parent
-        index[fqn] = len(candidates)
-        candidates.append(cand)
     always = sum(op.ms for op in stats.saved_ops if op.param_cast)
     return Problem(live=live, candidates=candidates, always_ms=always, baseline_peak=stats.peak_bytes)

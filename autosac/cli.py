@@ -1,0 +1,184 @@
+"""The ``autosac`` command: plan, sweep and verify from the shell.
+
+User mistakes end in one line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import warnings
+
+from autosac.budget import format_bytes, parse_budget
+from autosac.errors import InfeasibleBudgetError, NothingToCheckpointError, StatsFormatError, TraceError
+
+
+class UserError(Exception):
+    """A mistake in the command line or its inputs: reported in one line."""
+
+
+def _model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="gpt2", help="built-in name (gpt2, llama-7b, ...) or package.module:factory")
+    p.add_argument("--model-arg", action="append", default=[], metavar="K=V", help="config override, repeatable")
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--target", default="h100", help="h100, h200, a100, l4, or cpu (timed locally)")
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--optimizer", default="adamw")
+    p.add_argument("--solver", default="cbc", choices=["cbc", "highs"])
+    p.add_argument("--time-limit", type=float, default=60.0)
+
+
+def _parse_value(text: str):
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return text
+
+
+def build_from_spec(spec: str, model_args: list[str], batch: int | None, seq: int | None, device: str = "meta"):
+    """(model, example_inputs) from a built-in name or ``package.module:factory``."""
+    kwargs = {}
+    for item in model_args:
+        if "=" not in item:
+            raise UserError(f"--model-arg {item!r} is not KEY=VALUE")
+        k, v = item.split("=", 1)
+        kwargs[k.strip()] = _parse_value(v.strip())
+    if ":" in spec:
+        mod_name, fn_name = spec.split(":", 1)
+        try:
+            factory = getattr(importlib.import_module(mod_name), fn_name)
+        except (ImportError, AttributeError) as e:
+            raise UserError(f"cannot load model factory {spec!r}: {e}") from None
+        try:
+            made = factory(**kwargs)
+        except Exception as e:  # noqa: BLE001 - the user's factory
+            raise UserError(f"model factory {spec!r} raised {type(e).__name__}: {e}") from None
+        if isinstance(made, tuple) and len(made) == 2:
+            return made
+        import torch
+
+        if not isinstance(made, torch.nn.Module):
+            raise UserError(f"model factory {spec!r} must return a model or (model, example_inputs)")
+        if batch is None or seq is None:
+            raise UserError(f"{spec!r} returned no example inputs: pass --batch and --seq (token ids)")
+        vocab = getattr(getattr(made, "cfg", None), "vocab", 2)
+        return made, torch.randint(0, vocab, (batch, seq), device=device)
+    from autosac.models import build_model
+
+    try:
+        return build_model(spec, batch=batch, seq=seq, device=device, **kwargs)
+    except (ValueError, TypeError) as e:
+        raise UserError(str(e)) from None
+
+
+def _profile(args):
+    import autosac
+
+    model, inputs = build_from_spec(args.model, args.model_arg, args.batch, args.seq)
+    return autosac.profile(model, inputs, optimizer=args.optimizer, target=args.target, world_size=args.world_size)
+
+
+def cmd_plan(args) -> int:
+    import autosac
+
+    parse_budget(args.budget, 1 << 60)  # reject a malformed budget before the profile runs
+    stats = _profile(args)
+    plan = autosac.solve(stats, args.budget, solver=args.solver, time_limit_s=args.time_limit,
+                         reserve=args.reserve or 0)
+    print(plan)
+    if args.json:
+        plan.save(args.json)
+        print(f"\nplan written to {args.json}")
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    from autosac.report import sweep_table
+    from autosac.solver import solve_stats
+    from autosac.solver.problem import build_problem
+
+    for item in args.budgets.split(","):
+        parse_budget(item.strip(), 1 << 60)
+    stats = _profile(args)
+    problem = build_problem(stats)
+    rows = []
+    for item in args.budgets.split(","):
+        budget = parse_budget(item.strip(), stats.peak_bytes)
+        try:
+            plan = solve_stats(stats, budget, solver=args.solver, time_limit_s=args.time_limit, problem=problem)
+        except InfeasibleBudgetError as e:
+            rows.append({"budget": budget, "error": f"infeasible (least peak {format_bytes(e.min_feasible_bytes)})"})
+            continue
+        rows.append({"budget": budget, "peak": plan.predicted_peak_bytes, "ms": plan.recompute_ms,
+                     "overhead": plan.overhead, "modules": len(plan.decisions), "status": plan.solver["status"]})
+    print(f"{stats.model} on {stats.target['name']}: baseline peak {format_bytes(stats.peak_bytes)}, "
+          f"step {stats.step_ms:.2f} ms\n")
+    print(sweep_table(rows))
+    if args.plot:
+        _plot(rows, args.plot, stats)
+    return 0
+
+
+def _plot(rows, path, stats) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("--plot needs matplotlib: pip install matplotlib") from None
+    ok = [r for r in rows if not r.get("error")]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["peak"] / 2**30 for r in ok], [100 * r["overhead"] for r in ok], "o-")
+    ax.set_xlabel("planned peak (GiB)")
+    ax.set_ylabel("recompute overhead (% of step)")
+    ax.set_title(f"{stats.model}: memory vs recompute")
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"\nplot written to {path}")
+
+
+def cmd_verify(args) -> int:
+    from autosac.verify import verify_plan_file
+
+    return verify_plan_file(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="autosac", description="Fit a PyTorch training step into a memory budget.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="print the activation-checkpointing plan for a budget")
+    _model_options(p)
+    p.add_argument("--budget", required=True, help='"8GiB", "500MB", "60%%" or bytes')
+    p.add_argument("--reserve", default=None, help="headroom to keep free, e.g. 2GiB")
+    p.add_argument("--json", default=None, help="write the plan to this file")
+    p.set_defaults(func=cmd_plan)
+    s = sub.add_parser("sweep", help="plan for several budgets from one profile")
+    _model_options(s)
+    s.add_argument("--budgets", default="90%,80%,70%,60%,50%,40%,30%")
+    s.add_argument("--plot", default=None, help="write a peak-vs-overhead plot (needs matplotlib)")
+    s.set_defaults(func=cmd_sweep)
+    v = sub.add_parser("verify", help="run a plan for real on this machine: predicted vs measured")
+    v.add_argument("plan")
+    _model_options(v)
+    v.add_argument("--steps", type=int, default=3)
+    v.set_defaults(func=cmd_verify)
+
+    args = parser.parse_args(argv)
+    warnings.simplefilter("ignore", UserWarning)
+    try:
+        return args.func(args)
+    except (UserError, ValueError, TraceError, NothingToCheckpointError, StatsFormatError, FileNotFoundError) as e:
+        name = type(e).__name__ if not isinstance(e, UserError) else "error"
+        print(f"autosac: {name}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

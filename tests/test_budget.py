@@ -1,0 +1,50 @@
+"""Every documented budget form, and malformed ones."""
+
+import math
+
+import pytest
+
+from autosac.budget import parse_budget
+
+PEAK = 10 * 2**30
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("8GiB", 8 * 2**30),
+        ("8 GiB", 8 * 2**30),
+        ("8gib", 8 * 2**30),
+        (" 1.5 GiB ", int(1.5 * 2**30)),
+        ("500MB", 500 * 10**6),
+        ("500mb", 500 * 10**6),
+        ("512MiB", 512 * 2**20),
+        ("2TB", 2 * 10**12),
+        ("60%", int(PEAK * 0.6)),
+        ("12.5 %", int(PEAK * 0.125)),
+        ("4096", 4096),
+        ("100%", PEAK),
+        (4096, 4096),
+        (2.0, 2 * 2**30),
+        (0.5, 2**29),
+    ],
+)
+def test_accepted_forms(text, expected):
+    assert parse_budget(text, PEAK) == expected
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["0", "-1GiB", "abc", "", "8 GiBs", "GiB", "8 G i B", "1e9", "0%", "150%", "--8GB",
+     float("nan"), float("inf"), -1.0, 0, -5, True, False, None, [8], "8GiB 2GiB"],
+)
+def test_malformed_forms_name_the_accepted_ones(bad):
+    with pytest.raises(ValueError) as info:
+        parse_budget(bad, PEAK)
+    msg = str(info.value)
+    assert "8GiB" in msg or "over 100%" in msg
+    assert "\n" not in msg
+
+
+def test_float_gib_matches_sac_milp_convention():
+    assert parse_budget(1.75, PEAK) == math.floor(1.75 * 2**30)

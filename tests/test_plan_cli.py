@@ -1,0 +1,110 @@
+"""Plan JSON, its errors, and the command line (through its real entry point)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import autosac
+from autosac.cli import main
+from autosac.models import build_model
+from autosac.plan import Plan
+
+
+@pytest.fixture(scope="module")
+def plan():
+    model, idx = build_model("seed-transformer", n_layer=2, seq=256)
+    return autosac.solve(model, "75%", example_inputs=idx)
+
+
+def test_plan_json_round_trip(plan, tmp_path):
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    again = Plan.load(path)
+    assert again == plan
+    assert again.decisions and all(0 < r <= 1 for r in again.decisions.values())
+    assert again.predicted_peak_bytes <= again.budget_bytes < again.baseline_peak_bytes
+    ops = [o for d in again.details.values() for o in d.ops]
+    assert ops and all(o.occurrence >= 0 and o.bytes > 0 for o in ops)
+    # the table names every decision
+    text = str(again)
+    for fqn in again.decisions:
+        assert fqn in text
+    assert "planned peak" in text and "budget" in text
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda d: d.update(format=7), "plan format 7"),
+        (lambda d: d.pop("decisions"), "malformed plan"),
+        (lambda d: d["decisions"].update({k: 1.5 for k in d["decisions"]}), r"not in \(0, 1\]"),
+        (lambda d: d["decisions"].update({"extra": 0.5}), "different modules"),
+    ],
+)
+def test_corrupted_or_edited_plan_is_refused(plan, tmp_path, edit, match):
+    data = json.loads(plan.to_json())
+    edit(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(autosac.StatsFormatError, match=match):
+        Plan.load(path)
+    path.write_text(plan.to_json()[:100])
+    with pytest.raises(autosac.StatsFormatError, match="not a plan JSON"):
+        Plan.load(path)
+
+
+def test_cli_plan_prints_decisions_and_writes_json(tmp_path, capsys):
+    out_path = tmp_path / "p.json"
+    code = main(["plan", "--model", "seed-transformer", "--model-arg", "n_layer=2", "--seq", "256",
+                 "--budget", "75%", "--json", str(out_path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    plan = Plan.load(out_path)
+    for fqn in plan.decisions:
+        assert fqn in out
+    for label in ("baseline peak", "planned peak", "budget", "recompute", "discard"):
+        assert label in out
+
+
+def test_cli_sweep_reuses_one_profile(capsys):
+    code = main(["sweep", "--model", "seed-transformer", "--model-arg", "n_layer=2", "--seq", "256",
+                 "--budgets", "95%,85%,75%,1KiB"])
+    out = capsys.readouterr().out
+    assert code == 0
+    rows = out.strip().splitlines()[-4:]
+    assert [r.split()[-1] for r in rows[:3]] == ["optimal"] * 3
+    overheads = [float(r.split()[6].rstrip("%")) for r in rows[:3]]
+    assert overheads == sorted(overheads)  # less memory, more recompute
+    assert "infeasible (least peak" in rows[3]
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["plan", "--budget", "abc"], "cannot parse budget 'abc'"),
+        (["plan", "--budget", "1KiB", "--model", "gpt-tiny"], "InfeasibleBudgetError: budget 1.00 KiB"),
+        (["plan", "--budget", "50%", "--model", "nope"], "unknown built-in model 'nope'"),
+        (["plan", "--budget", "50%", "--model", "gpt-tiny", "--model-arg", "layers=2"], "unknown GPTConfig field"),
+        (["plan", "--budget", "50%", "--model", "no.such.module:f"], "cannot load model factory"),
+        (["plan", "--budget", "50%", "--model", "gpt-tiny", "--target", "tpu"], "unknown target 'tpu'"),
+        (["verify", "/no/such/plan.json"], "No such file"),
+    ],
+)
+def test_cli_user_mistakes_are_one_line(argv, match):
+    proc = subprocess.run([sys.executable, "-m", "autosac.cli", *argv], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr
+    assert __import__("re").search(match, lines[0]), lines[0]
+
+
+def test_llama_7b_planned_on_meta_in_ci():
+    model, idx = build_model("llama-7b")
+    assert all(p.is_meta for p in model.parameters())
+    stats = autosac.profile(model, idx, target="h100", world_size=8)
+    plan = autosac.solve(stats, "40GiB")
+    assert plan.predicted_peak_bytes <= 40 * 2**30
+    assert plan.solver["status"] == "optimal"
+    assert any(f.startswith("layers.") for f in plan.decisions)
