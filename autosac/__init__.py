@@ -5,13 +5,16 @@ Pipeline: :func:`profile` (trace) -> :class:`ModelStats` -> solve -> Plan -> app
 
 __version__ = "0.1.0"
 
+from autosac.applier import apply, unapply  # noqa: E402
 from autosac.devices import DEVICES, DeviceSpec  # noqa: E402
 from autosac.errors import (  # noqa: E402
     InfeasibleBudgetError,
     NothingToCheckpointError,
+    PlanMismatchError,
     StatsFormatError,
     TraceError,
 )
+from autosac.measure import Measurement, measure  # noqa: E402
 from autosac.plan import Plan  # noqa: E402
 from autosac.solver import solve  # noqa: E402
 from autosac.stats import ModelStats  # noqa: E402
@@ -21,11 +24,16 @@ __all__ = [
     "DEVICES",
     "DeviceSpec",
     "InfeasibleBudgetError",
+    "Measurement",
     "ModelStats",
     "Plan",
     "NothingToCheckpointError",
+    "PlanMismatchError",
     "StatsFormatError",
     "TraceError",
+    "apply",
+    "measure",
     "profile",
     "solve",
+    "unapply",
 ]

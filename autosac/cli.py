@@ -11,7 +11,13 @@ import sys
 import warnings
 
 from autosac.budget import format_bytes, parse_budget
-from autosac.errors import InfeasibleBudgetError, NothingToCheckpointError, StatsFormatError, TraceError
+from autosac.errors import (
+    InfeasibleBudgetError,
+    NothingToCheckpointError,
+    PlanMismatchError,
+    StatsFormatError,
+    TraceError,
+)
 
 
 class UserError(Exception):

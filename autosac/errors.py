@@ -19,3 +19,7 @@ class InfeasibleBudgetError(ValueError):
     def __init__(self, message: str, min_feasible_bytes: int) -> None:
         super().__init__(message)
         self.min_feasible_bytes = min_feasible_bytes
+
+
+class PlanMismatchError(ValueError):
+    """A plan does not fit the model it is applied to."""

@@ -28,12 +28,20 @@ class RecomputeOp:
 
 @dataclass
 class Decision:
+    """One checkpointed module.  At run time its selective-checkpoint policy
+    recomputes ``ops`` (and their in-place writers), keeps ``save_ops`` (other
+    op calls whose outputs backward needs), and re-runs everything else (views,
+    parameter casts, ops whose outputs backward does not need).  ``op_counts``
+    is the traced number of calls per op: a forward that differs is detected."""
+
     fqn: str
     ratio: float  # discarded / discardable activation bytes, in (0, 1]
     discard_bytes: int
     discardable_bytes: int
     recompute_ms: float
     ops: list[RecomputeOp]
+    save_ops: list[list] = field(default_factory=list)  # [[op, occurrence], ...]
+    op_counts: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

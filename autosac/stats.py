@@ -48,7 +48,11 @@ class ModuleStats:
     ``*_total`` fields cover the module's whole subtree; others the module alone.
     ``tradeoff`` is the exact convex curve of ``[bytes discarded, recompute ms]``
     points from ``[0, 0]``, cheapest ms/byte first; ``fixed_recompute_ms`` is what
-    re-running the module's unsaved ops costs whenever it is checkpointed.
+    re-running the module's unsaved ops costs whenever it is checkpointed, and
+    ``recompute_work_bytes`` the memory those short-lived tensors (born and dead
+    inside its forward, matmul scratch included) need at once when it recomputes.
+    A checkpoint holds its module's inputs until the backward re-runs it:
+    ``retained_input_bytes`` are those the unmodified step frees earlier.
     """
 
     fqn: str
@@ -75,6 +79,9 @@ class ModuleStats:
     fw_ms: float
     bw_ms: float
     fixed_recompute_ms: float
+    recompute_work_bytes: int  # most bytes of its forward's short-lived tensors alive at once
+    recompute_profile: list[list[int]]  # [event, short-lived bytes alive] wherever that changes
+    retained_input_bytes: int  # inputs a checkpoint keeps alive that would die before its backward
     saved_op_ids: list[int] = field(default_factory=list)
     discardable_bytes: int = 0
     tradeoff: list[list[float]] = field(default_factory=list)
@@ -153,6 +160,7 @@ class ModelStats:
     timeline: Timeline
     unknown_flop_ops: list[str]
     versions: dict[str, str]
+    checkpoint_state_bytes: int = 0  # what each checkpoint call keeps besides inputs: the saved RNG state
     format: int = STATS_FORMAT
 
     def to_json(self) -> str:

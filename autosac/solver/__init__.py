@@ -8,7 +8,7 @@ from autosac.budget import format_bytes, parse_budget
 from autosac.errors import InfeasibleBudgetError
 from autosac.plan import Decision, Plan, RecomputeOp
 from autosac.solver.backends import BACKENDS, Solution
-from autosac.solver.chain import is_chain, solve_chain
+from autosac.solver.chain import NotAChain, solve_chain
 from autosac.solver.milp import build_milp, decode, encode, milp_needs, with_objective_bound
 from autosac.solver.problem import Problem, build_problem
 from autosac.stats import ModelStats
@@ -94,15 +94,19 @@ def solve_stats(
         return _make_plan(stats, problem, {}, budget_bytes, _trivial(solver))
     milp = build_milp(problem, budget_bytes)
     start = None
-    if presolve and is_chain(problem):
+    if presolve:
         # Nested intervals: the exact chain DP gives the optimum; the MILP gets it
         # as a proven lower bound and (CBC) as its starting solution.
-        chain = solve_chain(problem, budget_bytes, milp_needs(problem, budget_bytes))
-        if chain is None:
-            milp = None
+        try:
+            chain = solve_chain(problem, budget_bytes, milp_needs(problem, budget_bytes))
+        except NotAChain:
+            pass
         else:
-            milp = with_objective_bound(milp, chain.objective * (1 - 1e-9) - 1e-9)
-            start = encode(milp, chain.choice)
+            if chain is None:
+                milp = None
+            else:
+                milp = with_objective_bound(milp, chain.objective * (1 - 1e-9) - 1e-9)
+                start = encode(milp, chain.choice)
     sol = BACKENDS[solver](milp, time_limit_s, start) if milp is not None else Solution(
         None, "infeasible", math.inf, math.nan, math.inf, 0.0, solver)
     if sol.x is None:
@@ -147,22 +151,35 @@ def _info(sol: Solution) -> dict:
 def _make_plan(stats: ModelStats, problem: Problem, choice: dict[int, int], budget_bytes: int, info: dict) -> Plan:
     tl = stats.timeline
     details: dict[str, Decision] = {}
+    saved_events = {op.event: op for op in stats.saved_ops}
     for i, k in sorted(choice.items()):
         cand = problem.candidates[i]
         window = stats.modules[cand.fqn].fw_windows[0]
         occ = _occurrences(tl.ops, window)
         ops = []
-        for op_id in cand.op_order[: cand.n_ops[k - 1]]:
-            op = stats.saved_ops[op_id]
-            ops.append(RecomputeOp(
-                op=op.op, occurrence=occ[op.event], bytes=op.bytes, ms=op.ms, random=op.random,
-                writers=[[tl.ops[w], occ[w]] for w in op.writer_events],
-            ))
+        chosen = set()
+        for item in cand.items[: cand.n_items[k - 1]]:
+            for op_id in item:
+                op = stats.saved_ops[op_id]
+                chosen.add(op.event)
+                ops.append(RecomputeOp(
+                    op=op.op, occurrence=occ[op.event], bytes=op.bytes, ms=op.ms, random=op.random,
+                    writers=[[tl.ops[w], occ[w]] for w in op.writer_events],
+                ))
         ops.sort(key=lambda o: (o.op, o.occurrence))
+        # every other op backward needs from inside the window is kept (with its in-place writers)
+        save = []
+        for e in range(window[0], window[1]):
+            op = saved_events.get(e)
+            if op is not None and e not in chosen and not op.param_cast:
+                save += [[tl.ops[x], occ[x]] for x in (e, *op.writer_events) if x < window[1]]
+        counts: dict[str, int] = {}
+        for e in range(window[0], window[1]):
+            counts[tl.ops[e]] = counts.get(tl.ops[e], 0) + 1
         details[cand.fqn] = Decision(
-            fqn=cand.fqn, ratio=min(1.0, cand.bytes[k - 1] / cand.discardable_bytes),
-            discard_bytes=cand.bytes[k - 1], discardable_bytes=cand.discardable_bytes,
-            recompute_ms=cand.ms[k - 1], ops=ops,
+            fqn=cand.fqn, ratio=min(1.0, cand.discarded[k - 1] / cand.discardable_bytes),
+            discard_bytes=cand.discarded[k - 1], discardable_bytes=cand.discardable_bytes,
+            recompute_ms=cand.ms[k - 1], ops=ops, save_ops=save, op_counts=counts,
         )
     peak = problem.evaluate(choice)
     recompute = problem.recompute_ms(choice)

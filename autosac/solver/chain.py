@@ -21,6 +21,10 @@ import numpy as np
 from autosac.solver.problem import Problem
 
 
+class NotAChain(Exception):
+    """The problem lacks the nested shape the chain pass needs; use the MILP alone."""
+
+
 @dataclass
 class ChainResult:
     objective: float  # least recompute ms (candidate choices only)
@@ -37,26 +41,62 @@ def is_chain(problem: Problem) -> bool:
     return in_order and all(a > i for i, c in enumerate(cands) for a in c.ancestors)
 
 
-def solve_chain(problem: Problem, budget_bytes: int, needs) -> ChainResult | None:
-    """Exact optimum when :func:`is_chain`; ``None`` when no plan fits.
+def _requirements(problem: Problem, budget_bytes: int, needs):
+    """Turn the MILP's memory rows into what the pass checks, or ``None`` when
+    some row does not have the chain shape:
 
-    ``needs`` are the memory rows of :func:`autosac.solver.milp._needs`.
+    * ``req[p]``: savings of candidates ``[0, p)`` must reach it;
+    * ``when_chosen[i]``: if ``i`` is chosen, savings of the candidates before
+      it must reach it plus its hold -- rows inside its backward or at its
+      recompute, whose other candidates are all before ``i``, except its own
+      descendants, which cannot be chosen alongside it.
     """
     cands = problem.candidates
     n = len(cands)
-    # prefix requirements: savings of candidates [0, p) >= req[p]
     req = np.full(n + 1, -np.inf)
-    work_base = np.full(n, -np.inf)  # before candidate w: savings >= base (+ work if w is chosen)
+    when_chosen = [np.full(len(c.bytes), -np.inf) for c in cands]
+    sub_start = _subtree_starts(problem)
     for nd in needs:
         p = _prefix_len(nd.cover)
+        if p is None:
+            return None
+        need = nd.bytes - budget_bytes
+        holders = list(_bits(nd.penalty))
         if nd.work_of is None:
-            req[p] = max(req[p], nd.bytes - budget_bytes)
+            req[p] = max(req[p], need)
         else:
-            w = nd.work_of
-            work_base[w] = max(work_base[w], float(problem.live[cands[w].end]) - budget_bytes)
+            holders.append(nd.work_of)
+        for i in holders:
+            # everything between the covered prefix and i must be i's descendants
+            if p < sub_start[i] or p > i:
+                return None
+            others = [h for h in holders if h != i]
+            if any(h not in cands[i].ancestors and i not in cands[h].ancestors for h in others):
+                return None
+            extra = cands[i].hold + (np.asarray(cands[i].work) if nd.work_of == i else 0)
+            when_chosen[i] = np.maximum(when_chosen[i], need + extra)
+    return req, when_chosen
+
+
+def solve_chain(problem: Problem, budget_bytes: int, needs) -> ChainResult | None:
+    """Exact optimum when the problem has the chain shape (:func:`is_chain` and
+    every memory row over a prefix); ``None`` when no plan fits.
+
+    ``needs`` are the memory rows of :func:`autosac.solver.milp.milp_needs`.
+
+    Raises:
+        NotAChain: the shape is off; solve the MILP without this pass.
+    """
+    cands = problem.candidates
+    if not is_chain(problem):
+        raise NotAChain
+    shaped = _requirements(problem, budget_bytes, needs)
+    if shaped is None:
+        raise NotAChain
+    req, when_chosen = shaped
     if req[0] > 0:
         return None
-    cap = max(0.0, float(np.max(req)), float(np.max(work_base + [c.work_bytes for c in cands], initial=0)))
+    cap = max(0.0, float(np.max(req)), *(float(np.max(w)) for w in when_chosen))
     sub_start = _subtree_starts(problem)
 
     # state: last chosen candidate (canonicalised) -> front arrays (D, cost, back-pointer id)
@@ -68,11 +108,10 @@ def solve_chain(problem: Problem, budget_bytes: int, needs) -> ChainResult | Non
     for i, c in enumerate(cands):
         new: dict[int, list] = {}
         for last, (d, cost, ids) in fronts.items():
-            ok_skip = d >= work_base[i] - 1e-6
-            _push(new, _canon(last, i + 1, ancestors, sub_start), d[ok_skip], cost[ok_skip], ids[ok_skip], 0)
+            _push(new, _canon(last, i + 1, ancestors, sub_start), d, cost, ids, 0)
             if last < sub_start[i]:
-                ok = d >= work_base[i] + c.work_bytes - 1e-6
                 for k, (b, t) in enumerate(zip(c.bytes, c.ms), start=1):
+                    ok = d >= when_chosen[i][k - 1] - 1e-6
                     _push(new, _canon(i, i + 1, ancestors, sub_start), np.minimum(d[ok] + b, cap), cost[ok] + t, ids[ok], k)
         fronts = {}
         for last, parts in new.items():
@@ -118,11 +157,18 @@ def _pareto(d: np.ndarray, cost: np.ndarray) -> np.ndarray:
     return order[keep]
 
 
-def _prefix_len(mask: int) -> int:
+def _prefix_len(mask: int) -> int | None:
     p = mask.bit_length()
-    if mask != (1 << p) - 1:
-        raise ValueError("not a prefix")
-    return p
+    return p if mask == (1 << p) - 1 else None
+
+
+def _bits(mask: int):
+    i = 0
+    while mask:
+        if mask & 1:
+            yield i
+        mask >>= 1
+        i += 1
 
 
 def _subtree_starts(problem: Problem) -> list[int]:

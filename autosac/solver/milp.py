@@ -46,41 +46,72 @@ class MatrixMILP:
 @dataclass
 class _Need:
     cover: int  # bitmask of candidates whose savings apply
-    bytes: float  # traced live bytes there (segment peak, or live + work at a recompute)
-    work_of: int | None  # candidate whose recompute working memory adds here
+    penalty: int  # bitmask of candidates whose checkpoint holds extra bytes here (inside their backward)
+    bytes: float  # traced live bytes there (segment peak, or live bytes at a recompute)
+    work_of: int | None  # candidate whose recompute adds its working memory here
 
 
 def _needs(problem: Problem) -> list[_Need]:
     n = len(problem.live)
     cands = problem.candidates
-    cuts = sorted({0, n, *(c.start for c in cands), *(c.end for c in cands if c.end <= n)})
-    starts = np.array(cuts[:-1], dtype=np.int64)
+    cuts = {0, n}
+    for c in cands:
+        cuts.update((c.start, c.end, c.bw_end + 1))
+    starts = np.array(sorted(x for x in cuts if x < n), dtype=np.int64)
     peaks = np.maximum.reduceat(problem.live, starts) if n else np.zeros(0)
-    # coverage per segment by sweeping interval starts and ends
-    opening: dict[int, int] = {}
-    closing: dict[int, int] = {}
+    # sweep the cuts, tracking whose savings and whose holds apply
+    events: dict[int, list[tuple[str, int]]] = {}
     for i, c in enumerate(cands):
-        opening[c.start] = opening.get(c.start, 0) | (1 << i)
-        closing[c.end] = closing.get(c.end, 0) | (1 << i)
-    needs, cover, cover_at = [], 0, {}
+        events.setdefault(c.start, []).append(("cover+", i))
+        events.setdefault(c.end, []).append(("cover-", i))
+        events.setdefault(c.end, []).append(("pen+", i))
+        events.setdefault(c.bw_end + 1, []).append(("pen-", i))
+    needs, cover, pen, at = [], 0, 0, {}
     for j, s in enumerate(starts):
-        cover = (cover | opening.get(int(s), 0)) & ~closing.get(int(s), 0)
-        cover_at[int(s)] = cover
-        needs.append(_Need(cover, float(peaks[j]), None))
+        for what, i in events.get(int(s), ()):
+            bit = 1 << i
+            if what == "cover+":
+                cover |= bit
+            elif what == "cover-":
+                cover &= ~bit
+            elif what == "pen+":
+                pen |= bit
+            else:
+                pen &= ~bit
+        at[int(s)] = (cover, pen)
+        needs.append(_Need(cover, pen, float(peaks[j]), None))
     for i, c in enumerate(cands):
-        if c.work_bytes > 0 and c.end < n:
-            needs.append(_Need(cover_at[c.end], float(problem.live[c.end] + c.work_bytes), i))
+        if c.end < n:
+            cov, pn = at[c.end]
+            needs.append(_Need(cov, pn & ~(1 << i), float(problem.live[c.end]), i))
     return needs
 
 
-def _prune(needs: list[_Need], floor: float) -> list[_Need]:
-    """Keep needs above ``floor`` that no other kept need implies."""
-    live = [nd for nd in needs if nd.bytes > floor]
+def _prune(needs: list[_Need], floor: float, problem: Problem) -> list[_Need]:
+    """Drop needs that cannot bind above ``floor`` or that another need implies
+    (a subset of its savings, a superset of its holds, at least its bytes)."""
+    cands = problem.candidates
+    most_held = {}
+
+    def held(mask: int) -> int:
+        if mask not in most_held:
+            most_held[mask] = sum(cands[i].hold for i in _bits(mask))
+        return most_held[mask]
+
+    live = []
+    for nd in needs:
+        top = nd.bytes + held(nd.penalty)
+        if nd.work_of is not None:
+            c = cands[nd.work_of]
+            top = nd.bytes + held(nd.penalty) + c.hold + max(c.work)
+        if top > floor:
+            live.append(nd)
     live.sort(key=lambda nd: (bin(nd.cover).count("1"), -nd.bytes))
     kept: list[_Need] = []
     for nd in live:
         implied = nd.work_of is None and any(
-            k.work_of is None and k.bytes >= nd.bytes and (k.cover & ~nd.cover) == 0 for k in kept
+            k.work_of is None and k.bytes >= nd.bytes and (k.cover & ~nd.cover) == 0 and (nd.penalty & ~k.penalty) == 0
+            for k in kept
         )
         if not implied:
             kept.append(nd)
@@ -89,7 +120,7 @@ def _prune(needs: list[_Need], floor: float) -> list[_Need]:
 
 def milp_needs(problem: Problem, budget_bytes: int) -> list[_Need]:
     """The memory rows of the budgeted MILP (as needs), for the chain solver."""
-    return _prune(_needs(problem), float(budget_bytes))
+    return _prune(_needs(problem), float(budget_bytes), problem)
 
 
 def build_milp(problem: Problem, budget_bytes: int | None) -> MatrixMILP:
@@ -122,19 +153,19 @@ def build_milp(problem: Problem, budget_bytes: int | None) -> MatrixMILP:
         members = [i] if i in has_child else [i, *c.ancestors]
         add([(zc, 1.0) for k in members for zc in z_index[k]], -np.inf, 1.0)
 
-    # memory: savings of the covering candidates (less the recomputing one's work) >= live - budget
+    # memory: savings of the covering candidates, less the holds of those in
+    # their backward (and the recomputing one's work) >= live - budget
     floor = -np.inf if least_peak else float(budget_bytes)
-    for nd in _prune(_needs(problem), floor):
+    for nd in _prune(_needs(problem), floor, problem):
         entries = [(zc, b / MIB) for i in _bits(nd.cover) for zc, b in zip(z_index[i], cands[i].bytes)]
+        entries += [(zc, -cands[i].hold / MIB) for i in _bits(nd.penalty) for zc in z_index[i]]
         if nd.work_of is not None:
-            entries += [(zc, -cands[nd.work_of].work_bytes / MIB) for zc in z_index[nd.work_of]]
-            base = float(problem.live[cands[nd.work_of].end])
-        else:
-            base = nd.bytes
+            w = cands[nd.work_of]
+            entries += [(zc, -(x + w.hold) / MIB) for zc, x in zip(z_index[nd.work_of], w.work)]
         if least_peak:
-            add(entries + [(peak_col, 1.0)], base / MIB, np.inf)
+            add(entries + [(peak_col, 1.0)], nd.bytes / MIB, np.inf)
         else:
-            add(entries, (base - budget_bytes) / MIB, np.inf)
+            add(entries, (nd.bytes - budget_bytes) / MIB, np.inf)
 
     lb = np.zeros(n_cols)
     ub = np.ones(n_cols)

@@ -26,15 +26,27 @@ from autosac.stats import ModelStats
 
 @dataclass
 class Candidate:
+    """A module the plan may checkpoint.  Choosing it with choice ``k``:
+
+    * from ``start`` (its forward's end) to ``end`` (its backward's start) the
+      step holds ``bytes[k]`` less: the discarded activations, less the
+      ``hold`` bytes the checkpoint keeps (inputs that would have died, RNG state);
+    * from ``end`` to ``bw_end`` (its backward) it holds ``hold`` more;
+    * at ``end``, while it recomputes, ``work[k]`` more on top of that.
+    """
+
     fqn: str
-    start: int  # first event after its forward: savings begin
-    end: int  # first event of its backward: recomputation
-    bytes: list[int]  # per choice k (k = 1..K): bytes discarded
+    start: int
+    end: int
+    bw_end: int
+    bytes: list[int]  # per choice k (k = 1..K): net bytes saved, > 0
+    discarded: list[int]  # per choice: activation bytes discarded
     ms: list[float]  # per choice: recompute ms, fixed part included
-    n_ops: list[int]  # per choice: how many ops of ``op_order`` are discarded
-    op_order: list[int]  # saved op ids, cheapest ms/byte first
+    n_items: list[int]  # per choice: how many of ``items`` are discarded
+    items: list[list[int]]  # groups of saved op ids discarded together, cheapest ms/byte first
     discardable_bytes: int
-    work_bytes: int  # transient memory while it recomputes
+    hold: int
+    work: list[int]  # per choice: transient bytes of the recompute
     ancestors: list[int] = field(default_factory=list)  # candidate indices above it
 
 
@@ -52,7 +64,8 @@ class Problem:
         for i, k in choice.items():
             c = self.candidates[i]
             mem[c.start : c.end] -= c.bytes[k - 1]
-            extra[c.end] = max(extra[c.end], c.work_bytes)
+            mem[c.end : c.bw_end + 1] += c.hold
+            extra[c.end] = max(extra[c.end], c.work[k - 1])
         return int((mem + extra).max()) if len(mem) else 0
 
     def recompute_ms(self, choice: dict[int, int]) -> float:
@@ -85,13 +98,13 @@ def _adjusted_live(stats: ModelStats) -> np.ndarray:
     tl = stats.timeline
     live = np.asarray(tl.live_bytes, dtype=np.int64)
     n = len(live)
-    # Parameter casts are re-made on use, never saved: drop them once their consumer ran.
+    # Parameter casts are re-made on use, never saved.  Autocast's weight cache
+    # still holds them until its region exits, usually with the forward: count
+    # them gone from the first event after the forward.
+    forward_end = next((i for i, ph in enumerate(tl.phases) if ph not in ("forward",)), n)
     for op in stats.saved_ops:
         if op.param_cast:
-            use = op.event + 1
-            while use < n and tl.ms[use] == 0.0 and tl.phases[use] == "forward":
-                use += 1  # views of the cast
-            live[use + 1 : op.freed_event] -= op.bytes
+            live[max(forward_end, op.event + 1) : op.freed_event] -= op.bytes
     w = stats.world_size
     if w > 1:
         frac = 1.0 - 1.0 / w
@@ -125,6 +138,48 @@ def _gathered_unit_bytes(stats: ModelStats) -> np.ndarray:
     return out
 
 
+def _discard_items(stats: ModelStats, op_ids: list[int]) -> list[list[int]]:
+    """Saved ops in the order a module discards them, cheapest ms per byte first.
+
+    Random ops form one item: a recompute replays the RNG from the start of the
+    module, so it can only reproduce a random op if every random op before it is
+    re-run too -- a module recomputes all its random ops or none.
+    """
+    rnd = [i for i in op_ids if stats.saved_ops[i].random]
+    items = [[i] for i in op_ids if not stats.saved_ops[i].random] + ([rnd] if rnd else [])
+
+    def key(it):
+        return (sum(stats.saved_ops[i].ms for i in it) / sum(stats.saved_ops[i].bytes for i in it), it[0])
+
+    return sorted(items, key=key)
+
+
+def _recompute_extra(stats: ModelStats, m, items: list[list[int]], picks: list[int]) -> list[int]:
+    """Per choice, how far above ``live - discarded`` memory rises while the module
+    recomputes: the forward is replayed in order, so at each replayed event the
+    discarded activations re-made so far plus the short-lived tensors alive then.
+    The result is at least 0 and at most the discarded bytes plus the work peak."""
+    profile = m.recompute_profile
+    out = []
+    for n in picks:
+        made = sorted(
+            (stats.saved_ops[i].event, stats.saved_ops[i].bytes) for it in items[:n] for i in it
+        )
+        total = sum(b for _, b in made)
+        events = sorted({e for e, _ in made} | {e for e, _ in profile})
+        best, j, k, remade, short = 0, 0, 0, 0, 0
+        for e in events:
+            while j < len(made) and made[j][0] <= e:
+                remade += made[j][1]
+                j += 1
+            while k < len(profile) and profile[k][0] <= e:
+                short = profile[k][1]
+                k += 1
+            best = max(best, remade + short)
+        out.append(max(0, best - total))
+    return out
+
+
 def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
     """Read the checkpointing problem off ``stats``.
 
@@ -132,27 +187,30 @@ def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
     activations; each offers at most ``max_choices`` discard choices.
     """
     live = _adjusted_live(stats)
-    raw = np.asarray(stats.timeline.live_bytes, dtype=np.int64)
     candidates: list[Candidate] = []
     for fqn in stats.subtree(stats.root):
         m = stats.modules[fqn]
         if m.calls != 1 or not m.saved_op_ids or m.bw_window is None or m.discardable_bytes <= 0:
             continue
-        fw_start, fw_end = m.fw_windows[0]
+        fw_end = m.fw_windows[0][1]
         if fw_end > m.bw_window[0]:
             continue
-        ops = sorted(m.saved_op_ids, key=lambda i: (stats.saved_ops[i].ms / stats.saved_ops[i].bytes, i))
-        cum_b = np.cumsum([stats.saved_ops[i].bytes for i in ops])
-        cum_t = np.cumsum([stats.saved_ops[i].ms for i in ops])
+        items = _discard_items(stats, m.saved_op_ids)
+        cum_b = np.cumsum([sum(stats.saved_ops[i].bytes for i in it) for it in items])
+        cum_t = np.cumsum([sum(stats.saved_ops[i].ms for i in it) for it in items])
         picks = _choice_indices(cum_b, cum_t, max_choices)
-        window = raw[fw_start:fw_end]
-        work = max(0, int(window.max()) - int(raw[fw_end - 1])) if len(window) else 0
+        hold = m.retained_input_bytes + stats.checkpoint_state_bytes
+        # a choice that saves no more than the checkpoint holds is never worth taking
+        picks = [j for j in picks if cum_b[j - 1] > hold]
+        if not picks:
+            continue
         cand = Candidate(
-            fqn=fqn, start=fw_end, end=m.bw_window[0],
-            bytes=[int(cum_b[j - 1]) for j in picks],
+            fqn=fqn, start=fw_end, end=m.bw_window[0], bw_end=m.bw_window[1],
+            bytes=[int(cum_b[j - 1]) - hold for j in picks],
+            discarded=[int(cum_b[j - 1]) for j in picks],
             ms=[float(cum_t[j - 1]) + m.fixed_recompute_ms for j in picks],
-            n_ops=picks, op_order=ops, discardable_bytes=int(cum_b[-1]),
-            work_bytes=work,
+            n_items=picks, items=items, discardable_bytes=int(cum_b[-1]), hold=hold,
+            work=_recompute_extra(stats, m, items, picks),
         )
         candidates.append(cand)
     # order by forward end (children before parents); in sequential models this

@@ -72,7 +72,7 @@ def profile(
         )
     from autosac import __version__
 
-    return aggregate(
+    stats = aggregate(
         step,
         model_name=type(model).__name__,
         fingerprint=model_fingerprint(model),
@@ -81,3 +81,6 @@ def profile(
         optimizer=optimizer_name(optimizer),
         versions={"autosac": __version__, "torch": torch.__version__},
     )
+    # preserve_rng_state keeps the CPU generator state (and a device's) per checkpoint call
+    stats.checkpoint_state_bytes = torch.get_rng_state().numel() + (16 if not spec.measured else 0)
+    return stats

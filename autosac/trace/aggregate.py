@@ -136,6 +136,7 @@ def aggregate(
     for ps in step.params.values():
         param_own[ps.module].append(ps)
     fixed_ms = _fixed_recompute_ms(rec, producers)
+    work, profiles = _recompute_work(rec)
 
     for fqn, mtype in step.module_types.items():
         stack = _stack_of(fqn)
@@ -160,7 +161,12 @@ def aggregate(
             saved_bytes=own_saved.get(fqn, 0), saved_bytes_total=total_saved.get(fqn, 0),
             act_grad_bytes=act_grad, input_bytes=io[0], output_bytes=io[1],
             fw_ms=fw_ms.get(fqn, 0.0), bw_ms=bw_ms.get(fqn, 0.0),
-            fixed_recompute_ms=fixed_ms.get(fqn, 0.0),
+            fixed_recompute_ms=fixed_ms.get(fqn, 0.0), recompute_work_bytes=work.get(fqn, 0),
+            recompute_profile=profiles.get(fqn, []),
+            retained_input_bytes=sum(
+                rec.storages[i].nbytes for i in rec.input_storages.get(fqn, ())
+                if rec.storages[i].kind in ("act", "temp") and bw is not None and rec.storages[i].freed <= bw[0]
+            ),
             saved_op_ids=ids, discardable_bytes=sum(saved_ops[i].bytes for i in ids),
         )
         curve = exact_curve([(saved_ops[i].bytes, saved_ops[i].ms) for i in ids])
@@ -208,6 +214,39 @@ def stack_subtree(fqn: str, children: dict[str, list[str]]) -> list[str]:
         out.append(m)
         todo.extend(children.get(m, ()))
     return out
+
+
+def _recompute_work(rec) -> tuple[dict[str, int], dict[str, list[list[int]]]]:
+    """Per module, the tensors born and freed inside its forward (plus op
+    scratch): their peak, and their live bytes over the forward as
+    ``[event, bytes]`` change points.  Re-running the forward in the backward
+    holds these on top of the activations it re-creates."""
+    ends = {fqn: [w[1] for w in ws] for fqn, ws in rec.fw_windows.items()}
+    deltas: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for r in rec.storages:
+        if r.kind != "act" or r.producer < 0 or r.freed is None:
+            continue
+        for fqn in rec.stacks[r.producer]:
+            if any(r.producer < e and r.freed <= e for e in ends.get(fqn, ())):
+                deltas[fqn] += [(r.producer, r.nbytes), (r.freed, -r.nbytes)]
+    for ev, scratch in rec.transient.items():
+        if rec.phases[ev] == "forward":
+            for fqn in rec.stacks[ev]:
+                deltas[fqn] += [(ev, scratch), (ev + 1, -scratch)]
+    peaks, profiles = {}, {}
+    for fqn, items in deltas.items():
+        items.sort(key=lambda x: (x[0], x[1]))  # frees before allocations at the same event
+        cur = best = 0
+        profile: list[list[int]] = []
+        for ev, b in items:
+            cur += b
+            best = max(best, cur)
+            if profile and profile[-1][0] == ev:
+                profile[-1][1] = cur
+            else:
+                profile.append([ev, cur])
+        peaks[fqn], profiles[fqn] = best, profile
+    return peaks, profiles
 
 
 def _fixed_recompute_ms(rec, producers: set[int]) -> dict[str, float]:

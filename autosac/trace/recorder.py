@@ -58,6 +58,7 @@ class Recording:
     fw_pre_order: list[str] = field(default_factory=list)
     fw_post_order: list[str] = field(default_factory=list)
     io_bytes: dict[str, list[int]] = field(default_factory=dict)  # fqn -> [inputs, outputs]
+    input_storages: dict[str, list[int]] = field(default_factory=dict)  # fqn -> storage records (first call)
     param_dtypes: dict[str, set[str]] = field(default_factory=dict)
     unknown_ops: set[str] = field(default_factory=set)
 
@@ -122,6 +123,9 @@ class StepRecorder(TorchDispatchMode):
         idx = self._by_storage.get(id(t.untyped_storage()))
         if idx is not None:
             self.rec.storages[idx].kind = kind
+
+    def index_of(self, t: torch.Tensor) -> int | None:
+        return self._by_storage.get(id(t.untyped_storage()))
 
     def record_of(self, t: torch.Tensor) -> StorageRecord | None:
         idx = self._by_storage.get(id(t.untyped_storage()))

@@ -191,6 +191,9 @@ def _pre_hook(recorder: StepRecorder, fqn: str):
         if recorder.phase == "forward":
             recorder.push(fqn)
             recorder.rec.io_bytes.setdefault(fqn, [0, 0])[0] += _unique_bytes(args)
+            if fqn not in recorder.rec.input_storages:
+                found = (recorder.index_of(t) for t in tree_leaves(args) if isinstance(t, torch.Tensor))
+                recorder.rec.input_storages[fqn] = sorted({i for i in found if i is not None})
 
     return hook
 
@@ -226,6 +229,12 @@ def _run_forward(model: nn.Module, args: tuple, kwargs: dict, recorder: StepReco
             ) from None
         name = where or "(root)"
         mod = model.get_submodule(where) if where else model
+        if type(e).__name__ in ("DataDependentOutputException", "DynamicOutputShapeException"):
+            raise TraceError(
+                f"forward of module '{name}' ({type(mod).__name__}) branches on tensor values ({e}), "
+                "which a fake-mode trace cannot see: trace with inputs that take the usual branch "
+                "behind a Python flag, or make the branch depend on shapes only"
+            ) from None
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise TraceError(
             f"forward of module '{name}' ({type(mod).__name__}) raised {type(e).__name__}: {first}"

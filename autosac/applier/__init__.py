@@ -1,0 +1,134 @@
+"""Stage 3 of the pipeline: make a Plan real on the model.
+
+Each decided module's forward runs under ``torch.utils.checkpoint`` (non-reentrant)
+with a selective-checkpoint policy that recomputes exactly the planned op calls;
+RNG state is preserved, so recomputed dropout draws the same mask.  Around the
+whole model, a saved-tensor hook keeps parameter casts from being saved.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+from autosac.applier.casts import pack_cast, unpack_cast
+from autosac.applier.policy import ModulePolicy
+from autosac.errors import PlanMismatchError
+from autosac.fingerprint import model_fingerprint
+from autosac.plan import Plan
+
+__all__ = ["apply", "unapply"]
+
+_STATE = "_autosac_state"
+
+
+def apply(model: nn.Module, plan: Plan) -> nn.Module:
+    """Checkpoint ``model`` in place as ``plan`` says; return it.
+
+    Parameters stay the same objects, ``state_dict`` keys do not change, and an
+    optimizer built before still works.  Applying again replaces the previous
+    plan (never double-wraps); :func:`unapply` restores the model.  FSDP2's
+    ``fully_shard`` may be applied afterwards.
+
+    Args:
+        model: the model the plan was made for (same module tree and parameter shapes).
+        plan: from :func:`autosac.solve` or :meth:`Plan.load`.
+
+    Returns:
+        The same ``model``.
+
+    Raises:
+        PlanMismatchError: the plan was made for another model, or names a module
+            the model does not have.  Nothing is changed.
+        StatsFormatError: the plan is internally inconsistent (hand-edited).
+
+    Example::
+
+        >>> plan = autosac.solve(model, "60%", example_inputs=idx)
+        >>> autosac.apply(model, plan)
+        >>> model(idx).sum().backward()     # same gradients, lower peak
+    """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"apply needs an autosac.Plan, got {type(plan).__name__}")
+    plan.validate()
+    # Check everything before changing anything: nothing is applied halfway.
+    modules = {}
+    for fqn in plan.decisions:
+        try:
+            modules[fqn] = model.get_submodule(fqn)
+        except AttributeError:
+            raise PlanMismatchError(
+                f"the plan checkpoints module {fqn!r}, which {type(model).__name__} does not have"
+            ) from None
+    found = model_fingerprint(model)
+    if found != plan.fingerprint:
+        raise PlanMismatchError(
+            f"the plan was made for {plan.model} ({plan.fingerprint}) but this {type(model).__name__} is "
+            f"({found}): module tree or parameter shapes differ -- re-plan for this model"
+        )
+    unapply(model)
+    for fqn, mod in modules.items():
+        _wrap(mod, ModulePolicy.from_decision(plan.details[fqn]))
+    pre = model.register_forward_pre_hook(_enter_cast_hooks)
+    post = model.register_forward_hook(_exit_cast_hooks, always_call=True)
+    setattr(model, _STATE, {"hooks": (pre, post), "wrapped": list(modules.values()), "plan": plan})
+    return model
+
+
+def unapply(model: nn.Module) -> nn.Module:
+    """Undo :func:`apply` (a no-op on a model without a plan); return the model.
+
+    Example::
+
+        >>> autosac.unapply(model)   # plain forward again
+    """
+    state = model.__dict__.pop(_STATE, None)
+    if state is None:
+        return model
+    for h in state["hooks"]:
+        h.remove()
+    for mod in state["wrapped"]:
+        mod.__dict__.pop("forward", None)
+        mod.__dict__.pop("_autosac_policy", None)
+    return model
+
+
+def applied_plan(model: nn.Module) -> Plan | None:
+    """The plan :func:`apply` put on ``model``, if any."""
+    state = model.__dict__.get(_STATE)
+    return None if state is None else state["plan"]
+
+
+def _wrap(mod: nn.Module, policy: ModulePolicy) -> None:
+    original = type(mod).forward.__get__(mod)
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        if policy.mismatched or not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        fn, finished = policy.new_call()
+        out = checkpoint(
+            original, *args, use_reentrant=False, preserve_rng_state=True,
+            context_fn=functools.partial(create_selective_checkpoint_contexts, fn, allow_cache_entry_mutation=True),
+            **kwargs,
+        )
+        finished()
+        return out
+
+    mod.forward = forward
+    mod._autosac_policy = policy
+
+
+def _enter_cast_hooks(module, args):
+    ctx = torch.autograd.graph.saved_tensors_hooks(pack_cast, unpack_cast)
+    ctx.__enter__()
+    module.__dict__.setdefault("_autosac_cast_ctx", []).append(ctx)
+
+
+def _exit_cast_hooks(module, args, output):
+    stack = module.__dict__.get("_autosac_cast_ctx")
+    if stack:
+        stack.pop().__exit__(None, None, None)

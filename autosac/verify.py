@@ -1,0 +1,39 @@
+"""``autosac verify``: run a saved plan for real on this machine and compare
+predicted against measured peak bytes and step time."""
+
+from __future__ import annotations
+
+import copy
+
+from autosac.budget import format_bytes
+
+
+def verify_plan_file(args) -> int:
+    """Build the model with real weights on the CPU, measure it unmodified and
+    with the plan applied, and print predicted vs measured.  Exit status 1 when
+    the measured peak exceeds the plan's budget."""
+    import autosac
+    from autosac.cli import build_from_spec
+    from autosac.plan import Plan
+
+    plan = Plan.load(args.plan)
+    model, inputs = build_from_spec(args.model, args.model_arg, args.batch, args.seq, device="cpu")
+    baseline = autosac.measure(copy.deepcopy(model), inputs, steps=args.steps, optimizer=plan.optimizer)
+    autosac.apply(model, plan)
+    planned = autosac.measure(model, inputs, steps=args.steps, optimizer=plan.optimizer)
+    rows = [
+        ("peak, no checkpointing", plan.baseline_peak_bytes, baseline.peak_bytes),
+        ("peak, with the plan", plan.predicted_peak_bytes, planned.peak_bytes),
+    ]
+    print(f"{'':<24}{'predicted':>14}{'measured':>14}{'error':>9}")
+    for label, pred, meas in rows:
+        print(f"{label:<24}{format_bytes(pred):>14}{format_bytes(meas):>14}{(pred - meas) / meas:>+9.1%}")
+    comparable = plan.target == "cpu"
+    print(f"{'step, no checkpointing':<24}{plan.baseline_step_ms:>11.1f} ms{baseline.step_ms:>11.1f} ms")
+    print(f"{'step, with the plan':<24}{plan.step_ms:>11.1f} ms{planned.step_ms:>11.1f} ms")
+    print(f"measured overhead {planned.step_ms / baseline.step_ms - 1:+.1%} (predicted {plan.overhead:+.1%})")
+    if not comparable:
+        print(f"(times predicted for {plan.target}, measured on this CPU: compare the overheads, not the ms)")
+    ok = planned.peak_bytes <= plan.budget_bytes
+    print(f"budget {format_bytes(plan.budget_bytes)}: {'kept' if ok else 'EXCEEDED'}")
+    return 0 if ok else 1

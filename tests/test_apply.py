@@ -1,0 +1,236 @@
+"""Plans applied for real: bitwise-equal gradients, measured peaks under budget
+and close to predicted (measured independently by the profiler's allocator events)."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import autosac
+from autosac.models import build_model
+from autosac.solver import least_peak
+from autosac.solver.problem import build_problem
+
+
+def _loss_and_grads(model, inputs, seed=1234):
+    torch.manual_seed(seed)
+    loss = autosac.optim.default_loss(model(*inputs) if isinstance(inputs, tuple) else model(inputs))
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def _assert_bitwise(ref, other, inputs):
+    l0, g0 = _loss_and_grads(ref, inputs)
+    l1, g1 = _loss_and_grads(other, inputs)
+    assert torch.equal(l0, l1)
+    assert g0.keys() == g1.keys()
+    for name in g0:
+        assert torch.equal(g0[name], g1[name]), name
+
+
+def _budget_between(stats, frac):
+    problem = build_problem(stats)
+    low, _ = least_peak(problem)
+    return int(low + frac * (int(problem.live.max()) - low))
+
+
+def _check_plan(model, inputs, frac, target="a100"):
+    stats = autosac.profile(model, inputs, target=target)
+    budget = _budget_between(stats, frac)
+    plan = autosac.solve(stats, budget)
+    ref = copy.deepcopy(model)
+    autosac.apply(model, plan)
+    _assert_bitwise(ref, model, inputs)
+    measured = autosac.measure(model, inputs, steps=1)
+    assert measured.peak_bytes <= plan.budget_bytes, (measured.peak_bytes, plan.budget_bytes)
+    assert abs(measured.peak_bytes - plan.predicted_peak_bytes) <= 0.10 * measured.peak_bytes
+    return plan, measured
+
+
+@pytest.mark.parametrize(
+    "name,kw",
+    [
+        ("gpt2", dict(n_layer=2, dim=128, n_head=4, seq=128, vocab=512, dropout=0.1)),
+        ("llama-tiny", dict(n_layer=2, dim=128, n_head=4, n_kv_head=2, ffn_hidden=344, seq=128, vocab=512)),
+    ],
+)
+@pytest.mark.parametrize("frac", [0.05, 0.5])
+def test_builtin_models_keep_gradients_and_budget(name, kw, frac):
+    torch.manual_seed(0)
+    model, idx = build_model(name, device="cpu", batch=4, **kw)
+    plan, _ = _check_plan(model, idx, frac)
+    assert plan.decisions
+
+
+class Net(nn.Module):
+    """Random small models: blocks of Linear-GELU-Dropout-Linear with residuals,
+    optionally a reused block and tied input/output weights."""
+
+    def __init__(self, depth, width, dropout, tied, reuse):
+        super().__init__()
+        self.emb = nn.Embedding(32, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Dropout(dropout), nn.Linear(2 * width, width))
+            for _ in range(depth)
+        )
+        self.head = nn.Linear(width, 32, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+        self.reuse = reuse
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = x + block(x)
+        if self.reuse:
+            x = x + self.blocks[0](x)
+        return self.head(x)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    depth=st.integers(1, 3),
+    width=st.sampled_from([16, 32, 64]),
+    dropout=st.sampled_from([0.0, 0.3]),
+    tied=st.booleans(),
+    reuse=st.booleans(),
+    frac=st.floats(0.0, 1.0),
+)
+def test_random_models_keep_gradients_and_budget(depth, width, dropout, tied, reuse, frac):
+    torch.manual_seed(0)
+    model = Net(depth, width, dropout, tied, reuse)
+    idx = torch.randint(0, 32, (16, 64))
+    _check_plan(model, idx, frac)
+
+
+def test_apply_keeps_identity_and_is_reversible():
+    torch.manual_seed(0)
+    model, idx = build_model("gpt2", n_layer=2, dim=64, n_head=4, seq=64, vocab=128, device="cpu", batch=4)
+    plan = autosac.solve(model, "80%", example_inputs=idx, target="a100")
+    params = list(model.parameters())
+    keys = list(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters())
+    autosac.apply(model, plan)
+    autosac.apply(model, plan)  # again: replaces, never double-wraps
+    assert list(model.parameters()) == params and list(model.state_dict()) == keys
+    wrapped = [m for m in model.modules() if "forward" in m.__dict__]
+    assert len(wrapped) == len(plan.decisions)
+    model(idx).float().sum().backward()
+    opt.step()
+    autosac.unapply(model)
+    assert not [m for m in model.modules() if "forward" in m.__dict__]
+    assert autosac.apply.__module__ == "autosac.applier"
+
+
+def test_plan_for_another_model_is_refused_and_nothing_applied():
+    small, idx = build_model("gpt2", n_layer=2, dim=64, n_head=4, seq=64, vocab=128, device="cpu", batch=4)
+    other, _ = build_model("gpt2", n_layer=3, dim=64, n_head=4, seq=64, vocab=128, device="cpu", batch=4)
+    plan = autosac.solve(small, "80%", example_inputs=idx)
+    with pytest.raises(autosac.PlanMismatchError, match="re-plan for this model"):
+        autosac.apply(other, plan)
+    assert not [m for m in other.modules() if "forward" in m.__dict__]
+    # a plan naming a module the model lacks
+    fqn = next(iter(plan.decisions))
+    plan.decisions["blocks.9.attn"] = plan.decisions.pop(fqn)
+    plan.details["blocks.9.attn"] = plan.details.pop(fqn)
+    with pytest.raises(autosac.PlanMismatchError, match="'blocks.9.attn', which GPT does not have"):
+        autosac.apply(small, plan)
+    assert not [m for m in small.modules() if "forward" in m.__dict__]
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(32, 32)
+        self.gates = nn.ModuleList(Gate() for _ in range(4))
+        self.out = nn.Linear(32, 32)
+
+    def forward(self, x):
+        x = self.inner(x)
+        for gate in self.gates:
+            x = x + gate(x)
+        return self.out(x)
+
+
+class Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(32, 256)
+        self.fc2 = nn.Linear(256, 32)
+        self.extra = False  # stands in for a data-dependent branch (fake-mode traces see no values)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        if self.extra:
+            h = torch.sigmoid(h) * h
+        return self.fc2(h)
+
+
+def test_data_dependent_forward_falls_back_with_one_warning():
+    torch.manual_seed(0)
+    model = Branchy()
+    x = torch.rand(256, 32)
+    stats = autosac.profile(model, x)
+    plan = autosac.solve(stats, _budget_between(stats, 0.0))
+    assert "gates.1" in plan.decisions
+    ref = copy.deepcopy(model)
+    autosac.apply(model, plan)
+    ref.gates[1].extra = model.gates[1].extra = True  # the run takes a branch the trace did not
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _assert_bitwise(ref, model, x)
+        _assert_bitwise(ref, model, x)
+    msgs = [str(w.message) for w in caught if "autosac" in str(w.message)]
+    assert len(msgs) == 1 and "module 'gates.1'" in msgs[0] and "no longer checkpointed" in msgs[0]
+
+
+def test_value_dependent_branch_in_trace_is_a_clear_error():
+    class ValueBranch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return h * 2 if h.sum() > 0 else h
+
+    with pytest.raises(autosac.TraceError, match=r"module '\(root\)' \(ValueBranch\) branches on tensor values"):
+        autosac.profile(ValueBranch(), torch.randn(2, 4))
+
+
+class Autocast(nn.Module):
+    def __init__(self, width=512, depth=4):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+        return x
+
+
+def test_parameter_casts_are_never_saved():
+    torch.manual_seed(0)
+    model = Autocast()
+    x = torch.randn(4096, 512)
+    # no optimizer: its update would be the peak and hide the backward
+    stats = autosac.profile(model, x, optimizer="none")
+    assert stats.param_cast_bytes == 3 * 512 * 512 * 2  # every layer but the first keeps its bf16 weight
+    plan = autosac.solve(stats, "100%")  # no checkpointing: only the cast hook acts
+    assert not plan.decisions
+    ref = copy.deepcopy(model)
+    before = autosac.measure(copy.deepcopy(model), x, steps=1, optimizer="none").peak_bytes
+    autosac.apply(model, plan)
+    _assert_bitwise(ref, model, x)
+    after = autosac.measure(model, x, steps=1, optimizer="none").peak_bytes
+    assert abs(before - stats.peak_bytes) <= 0.02 * before
+    # autocast's cache holds the casts until the forward ends; after it the hook holds none
+    assert before - after >= 2 * 512 * 512 * 2
+    assert abs(after - plan.predicted_peak_bytes) <= 0.05 * after
