@@ -14,7 +14,6 @@ from autosac.budget import format_bytes, parse_budget
 from autosac.errors import (
     InfeasibleBudgetError,
     NothingToCheckpointError,
-    PlanMismatchError,
     StatsFormatError,
     TraceError,
 )

@@ -176,7 +176,8 @@ def _recompute_extra(stats: ModelStats, m, items: list[list[int]], picks: list[i
                 short = profile[k][1]
                 k += 1
             best = max(best, remade + short)
-        out.append(max(0, best - total))
+        # the recompute also stashes the current RNG state while it replays the forward's
+        out.append(max(0, best - total) + stats.checkpoint_state_bytes)
     return out
 
 
