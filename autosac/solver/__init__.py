@@ -13,7 +13,7 @@ from autosac.solver.milp import build_milp, decode, encode, milp_needs, with_obj
 from autosac.solver.problem import Problem, build_problem
 from autosac.stats import ModelStats
 
-__all__ = ["solve", "solve_stats", "least_peak"]
+__all__ = ["solve", "solve_stats", "least_peak", "plan_from_decisions"]
 
 
 def solve(
@@ -125,6 +125,43 @@ def solve_stats(
     info = _info(sol)
     info["presolve"] = "chain" if start is not None else None
     return _make_plan(stats, problem, choice, budget_bytes, info)
+
+
+def plan_from_decisions(
+    stats: ModelStats, decisions: dict[str, float], budget_bytes: int | None = None, *, max_choices: int = 16
+) -> Plan:
+    """A Plan for discard ratios chosen elsewhere (by hand, or by another planner).
+
+    Each ratio is rounded up to the next discard choice the module offers, so the
+    plan discards at least that share of the module's discardable activations;
+    its predicted peak and recompute time come from the same model as solved plans.
+
+    Raises:
+        ValueError: a module that is not a checkpointing candidate, a ratio outside
+            (0, 1], or nested decisions.
+
+    Example::
+
+        >>> plan = plan_from_decisions(stats, {"blocks.0": 1.0, "blocks.1.attn": 0.5})
+    """
+    problem = build_problem(stats, max_choices)
+    index = {c.fqn: i for i, c in enumerate(problem.candidates)}
+    choice = {}
+    for fqn, ratio in decisions.items():
+        if fqn not in index:
+            raise ValueError(f"module {fqn!r} is not a checkpointing candidate (called once, with discardable activations)")
+        if not 0 < ratio <= 1:
+            raise ValueError(f"discard ratio {ratio!r} of {fqn!r} is not in (0, 1]")
+        cand = problem.candidates[index[fqn]]
+        want = ratio * cand.discardable_bytes
+        k = next((k for k, b in enumerate(cand.discarded, start=1) if b >= want - 1e-9), len(cand.discarded))
+        choice[index[fqn]] = k
+    for i in choice:
+        if any(a in choice for a in problem.candidates[i].ancestors):
+            raise ValueError(f"{problem.candidates[i].fqn!r} is nested inside another checkpointed module")
+    info = {"backend": "given", "status": "given", "gap": None, "seconds": 0.0, "objective": None, "bound": None}
+    budget = budget_bytes if budget_bytes is not None else problem.evaluate(choice)
+    return _make_plan(stats, problem, choice, budget, info)
 
 
 def least_peak(problem: Problem, *, solver: str = "cbc", time_limit_s: float = 60) -> tuple[int, dict[int, int]]:

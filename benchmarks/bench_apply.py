@@ -1,0 +1,183 @@
+"""Plans applied for real on this CPU (issue: apply + verify).
+
+GPT (6 layers, dim 512, 8 heads, seq 512, batch 8, vocab 8192, dropout 0.1),
+budgets from the least feasible peak to 90% of the unconstrained one, all in one
+run so the ratios are measured side by side:
+
+  (a) autosac's plan (profiled with target="cpu", ops timed on this machine)
+  (b) full activation checkpointing of every block (torch.utils.checkpoint)
+  (c) PyTorch's own sac_milp decisions (torch.distributed._tools), applied by autosac
+  (d) torch.compile(backend="aot_eager_decomp_partition") with
+      torch._functorch.config.activation_memory_budget at the same fraction
+  (e) no checkpointing
+
+Peaks come from the profiler's allocator events (autosac.measure), step times are
+medians of --steps steps.  Overhead is step time over (e)'s -- and for (d) also
+over its own unbudgeted compiled step, since its decomposed ops run slower here.
+
+    python benchmarks/bench_apply.py [--steps 3] [--skip-compile] [--skip-torch-sac]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import time
+import warnings
+
+import torch
+
+import autosac
+from autosac.models import build_model
+from autosac.solver import least_peak, plan_from_decisions
+from autosac.solver.problem import build_problem
+
+MIB = 2**20
+CFG = dict(n_layer=6, dim=512, n_head=8, seq=512, vocab=8192, dropout=0.1)
+BATCH = 8
+
+
+def build():
+    torch.manual_seed(0)
+    return build_model("gpt2", device="cpu", batch=BATCH, **CFG)
+
+
+def full_ac(model):
+    from torch.utils.checkpoint import checkpoint
+
+    for block in model.blocks:
+        inner = type(block).forward.__get__(block)
+        block.forward = lambda x, inner=inner: checkpoint(inner, x, use_reentrant=False)
+    return model
+
+
+def torch_sac_decisions(frac: float) -> dict[str, float]:
+    """PyTorch's pipeline on the same GPT under FakeTensorMode: MemTracker,
+    RuntimeEstimator and SACEstimator, aggregate_stats, sac_milp at ``frac`` of
+    its own baseline peak.  Its roofline needs CUDA, so it is handed an H100's
+    peak FLOP/s and bandwidth (its decisions are made for that device)."""
+    import torch.utils._runtime_estimation as rte
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.ilp_utils import aggregate_stats, get_peak_memory_runtime_baseline, parse_module_info
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed._tools.runtime_estimator import RuntimeEstimator
+    from torch.distributed._tools.sac_estimator import SACEstimator
+    from torch.distributed._tools.sac_ilp import sac_milp
+
+    rte.get_device_tflops = lambda dtype: 989.0 if dtype in (torch.float16, torch.bfloat16) else 67.0
+    rte.get_gpu_dram_gbps = lambda: 3350.0
+    real_available = torch.cuda.is_available
+    dev = torch.device("cpu")
+    try:
+        torch.cuda.is_available = lambda: True
+        with FakeTensorMode():
+            model, idx = build_model("gpt2", device="cpu", batch=BATCH, **CFG)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+
+            def step():
+                model(idx).float().sum().backward()
+                opt.step()
+                opt.zero_grad()
+
+            mem = MemTracker()
+            mem.track_external(model, opt)
+            with mem:
+                for it in range(2):
+                    step()
+                    if it == 0:
+                        mem.reset_mod_stats()
+            runtime = RuntimeEstimator()
+            with runtime("operator-level-cost-model"):
+                step()
+            sac = SACEstimator()
+            with sac("operator-level-cost-model"):
+                model(idx).float().sum().backward()
+            graph = parse_module_info(aggregate_stats(model, mem, runtime, sac, dev))
+            base, _ = get_peak_memory_runtime_baseline(graph)
+            decisions, _, _ = sac_milp(graph, memory_budget=frac * base / 2**30)
+    finally:
+        torch.cuda.is_available = real_available
+    # "GPT.blocks.0" -> "blocks.0"
+    return {k.split(".", 1)[1] if "." in k else "": float(v) for k, v in decisions.items()}
+
+
+def compiled(model, frac: float):
+    import torch._dynamo
+    import torch._functorch.config as fconfig
+
+    torch._dynamo.reset()
+    fconfig.activation_memory_budget = frac
+    return torch.compile(model, backend="aot_eager_decomp_partition")
+
+
+def run(label, budget, model, idx, steps, rows, plan=None, reference=None):
+    t0 = time.perf_counter()
+    m = autosac.measure(model, idx, steps=steps)
+    row = dict(method=label, budget=budget, peak=m.peak_bytes, ms=m.step_ms, wall=time.perf_counter() - t0)
+    if plan is not None:
+        row.update(pred_peak=plan.predicted_peak_bytes, pred_ms=plan.step_ms)
+    if reference is not None:
+        row["ref_ms"] = reference
+    rows.append(row)
+    print(f"  {label:<14} budget {budget / MIB if budget else float('nan'):8.1f} MiB  peak {m.peak_bytes / MIB:8.1f} MiB"
+          f"  step {m.step_ms:8.1f} ms", flush=True)
+    return m
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--skip-compile", action="store_true")
+    ap.add_argument("--skip-torch-sac", action="store_true")
+    args = ap.parse_args()
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(2)
+
+    base_model, idx = build()
+    stats = autosac.profile(base_model, idx, target="cpu")
+    problem = build_problem(stats)
+    low, _ = least_peak(problem)
+    peak = stats.peak_bytes
+    fracs = sorted({math.ceil(1000 * low / peak) / 1000, 0.5, 0.6, 0.7, 0.8, 0.9})
+    fracs = [f for f in fracs if f * peak >= low]
+    print(f"GPT {CFG}, batch {BATCH}: traced peak {peak / MIB:.1f} MiB, least feasible {low / MIB:.1f} MiB "
+          f"({low / peak:.1%}), predicted step {stats.step_ms:.0f} ms\n")
+
+    rows: list[dict] = []
+    none = run("(e) none", None, copy.deepcopy(base_model), idx, args.steps, rows)
+    run("(b) full AC", None, full_ac(copy.deepcopy(base_model)), idx, args.steps, rows)
+    if not args.skip_compile:
+        c_ref = run("(d) compile", None, compiled(copy.deepcopy(base_model), 1.0), idx, args.steps, rows)
+    for frac in fracs:
+        budget = int(frac * peak)
+        print(f"budget {frac:.1%} of the peak")
+        plan = autosac.solve(stats, budget)
+        run("(a) autosac", budget, autosac.apply(copy.deepcopy(base_model), plan), idx, args.steps, rows, plan=plan)
+        if not args.skip_torch_sac:
+            try:
+                decisions = torch_sac_decisions(frac)
+                usable = {k: v for k, v in decisions.items() if k in {c.fqn for c in problem.candidates}}
+                tplan = plan_from_decisions(stats, usable, budget)
+                run("(c) torch sac", budget, autosac.apply(copy.deepcopy(base_model), tplan), idx, args.steps, rows,
+                    plan=tplan)
+            except Exception as e:  # noqa: BLE001 - report, do not invent numbers
+                print(f"  (c) torch sac    failed: {type(e).__name__}: {str(e)[:120]}")
+        if not args.skip_compile:
+            run("(d) compile", budget, compiled(copy.deepcopy(base_model), frac), idx, args.steps, rows,
+                reference=c_ref.step_ms)
+
+    print("\nmethod          budget   measured peak  <=budget  step ms  overhead  vs own   pred peak err  pred step err")
+    for r in rows:
+        b = r["budget"]
+        over = r["ms"] / none.step_ms - 1
+        own = f"{r['ms'] / r['ref_ms'] - 1:+7.1%}" if "ref_ms" in r else "      -"
+        ok = "-" if b is None else ("yes" if r["peak"] <= b else "NO")
+        pe = f"{(r['pred_peak'] - r['peak']) / r['peak']:+13.1%}" if "pred_peak" in r else f"{'-':>13}"
+        se = f"{(r['pred_ms'] - r['ms']) / r['ms']:+13.1%}" if "pred_ms" in r else f"{'-':>13}"
+        bstr = f"{b / peak:6.1%}" if b else "     -"
+        print(f"{r['method']:<14} {bstr}  {r['peak'] / MIB:10.1f} MiB  {ok:>8}  {r['ms']:7.0f}  {over:+8.1%}  {own}  {pe}  {se}")
+
+
+if __name__ == "__main__":
+    main()
