@@ -11,6 +11,7 @@ from autosac.errors import (  # noqa: E402
     InfeasibleBudgetError,
     NothingToCheckpointError,
     PlanMismatchError,
+    SolveTimeoutError,
     StatsFormatError,
     TraceError,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "Plan",
     "NothingToCheckpointError",
     "PlanMismatchError",
+    "SolveTimeoutError",
     "StatsFormatError",
     "TraceError",
     "apply",

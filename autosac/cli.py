@@ -11,12 +11,7 @@ import sys
 import warnings
 
 from autosac.budget import format_bytes, parse_budget
-from autosac.errors import (
-    InfeasibleBudgetError,
-    NothingToCheckpointError,
-    StatsFormatError,
-    TraceError,
-)
+from autosac.errors import InfeasibleBudgetError, SolveTimeoutError, StatsFormatError, TraceError
 
 
 class UserError(Exception):
@@ -26,13 +21,23 @@ class UserError(Exception):
 def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt2", help="built-in name (gpt2, llama-7b, ...) or package.module:factory")
     p.add_argument("--model-arg", action="append", default=[], metavar="K=V", help="config override, repeatable")
-    p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--batch", type=_positive_int, default=None)
+    p.add_argument("--seq", type=_positive_int, default=None)
     p.add_argument("--target", default="h100", help="h100, h200, a100, l4, or cpu (timed locally)")
-    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--world-size", type=_positive_int, default=1)
     p.add_argument("--optimizer", default="adamw")
     p.add_argument("--solver", default="cbc", choices=["cbc", "highs"])
     p.add_argument("--time-limit", type=float, default=60.0)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not positive")
+    return value
 
 
 def _parse_value(text: str):
@@ -176,10 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     v.set_defaults(func=cmd_verify)
 
     args = parser.parse_args(argv)
-    warnings.simplefilter("ignore", UserWarning)
+    # autosac's own warnings in one line; PyTorch's internal ones are not the user's concern
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\..*")
+    warnings.formatwarning = lambda msg, *a, **k: f"{msg}\n"
     try:
         return args.func(args)
-    except (UserError, ValueError, TraceError, NothingToCheckpointError, StatsFormatError, FileNotFoundError) as e:
+    except (UserError, ValueError, TypeError, TraceError, SolveTimeoutError, StatsFormatError, OSError) as e:
         name = type(e).__name__ if not isinstance(e, UserError) else "error"
         print(f"autosac: {name}: {e}", file=sys.stderr)
         return 2

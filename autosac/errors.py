@@ -21,5 +21,9 @@ class InfeasibleBudgetError(ValueError):
         self.min_feasible_bytes = min_feasible_bytes
 
 
+class SolveTimeoutError(RuntimeError):
+    """The solver found no plan within its time limit (the budget may still be feasible)."""
+
+
 class PlanMismatchError(ValueError):
     """A plan does not fit the model it is applied to."""

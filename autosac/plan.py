@@ -122,10 +122,13 @@ class Plan:
                 raise StatsFormatError(f"malformed plan: discard ratio {ratio!r} of {fqn!r} is not in (0, 1]")
             if not isinstance(fqn, str):
                 raise StatsFormatError(f"malformed plan: module name {fqn!r} is not a string")
-        names = sorted(self.decisions)
-        for a, b in zip(names, names[1:]):
-            if b.startswith(a + ".") or a == "":
-                raise StatsFormatError(f"malformed plan: {b!r} is nested inside checkpointed {a or '(root)'!r}")
+        names = set(self.decisions)
+        for name in names:
+            parts = name.split(".") if name else []
+            outer = [".".join(parts[:i]) for i in range(len(parts))]  # "" (root), "a", "a.b", ...
+            for a in outer:
+                if a in names:
+                    raise StatsFormatError(f"malformed plan: {name!r} is nested inside checkpointed {a or '(root)'!r}")
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())

@@ -28,10 +28,14 @@ def plan_table(plan) -> str:
         f"budget           {format_bytes(plan.budget_bytes)}",
         f"recompute        {plan.recompute_ms:.2f} ms on a {plan.baseline_step_ms:.2f} ms step "
         f"(+{plan.overhead:.1%})",
-        f"solver           {s.get('backend')} {s.get('status')}, gap {s.get('gap', 0):.1e}, "
-        f"{s.get('seconds', 0):.2f} s",
+        f"solver           {s.get('backend')} {s.get('status')}, gap {_gap(s.get('gap'))}, "
+        f"{s.get('seconds') or 0:.2f} s",
     ]
     return "\n".join(lines)
+
+
+def _gap(gap) -> str:
+    return "-" if gap is None else f"{gap:.1e}"
 
 
 def sweep_table(rows: list[dict]) -> str:

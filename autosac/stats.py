@@ -190,7 +190,7 @@ class ModelStats:
             data["timeline"] = Timeline(**data["timeline"])
             names = {f.name for f in fields(cls)}
             return cls(**{k: v for k, v in data.items() if k in names})
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, AttributeError) as e:
             raise StatsFormatError(f"malformed ModelStats JSON: {e}") from None
 
     def subtree(self, fqn: str) -> list[str]:

@@ -14,9 +14,16 @@ def verify_plan_file(args) -> int:
     the measured peak exceeds the plan's budget."""
     import autosac
     from autosac.cli import build_from_spec
+    from autosac.errors import PlanMismatchError
+    from autosac.fingerprint import model_fingerprint
     from autosac.plan import Plan
 
     plan = Plan.load(args.plan)
+    model, inputs = build_from_spec(args.model, args.model_arg, args.batch, args.seq, device="meta")
+    if model_fingerprint(model) != plan.fingerprint:
+        raise PlanMismatchError(
+            f"{args.plan} was made for another model ({plan.model} {plan.fingerprint}): pass the same model options"
+        )
     model, inputs = build_from_spec(args.model, args.model_arg, args.batch, args.seq, device="cpu")
     baseline = autosac.measure(copy.deepcopy(model), inputs, steps=args.steps, optimizer=plan.optimizer)
     autosac.apply(model, plan)

@@ -125,7 +125,32 @@ def test_apply_keeps_identity_and_is_reversible():
     opt.step()
     autosac.unapply(model)
     assert not [m for m in model.modules() if "forward" in m.__dict__]
-    assert autosac.apply.__module__ == "autosac.applier"
+    assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_deepcopy_of_applied_model_checkpoints_its_own_weights():
+    torch.manual_seed(0)
+    model, idx = build_model("gpt2", n_layer=2, dim=64, n_head=4, seq=64, vocab=128, device="cpu", batch=4)
+    ref = copy.deepcopy(model)
+    plan = autosac.solve(model, "80%", example_inputs=idx)
+    autosac.apply(model, plan)
+    twin = copy.deepcopy(model)
+    _assert_bitwise(ref, twin, idx)
+    # the twin's gradients land on the twin, not on the model it was copied from
+    twin(idx).float().sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(p.grad is not None for p in twin.parameters())
+    autosac.unapply(twin)
+    assert "forward" in model.blocks[0].__dict__ or any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_profiling_an_applied_model_is_a_clear_error():
+    model, idx = build_model("gpt2", n_layer=2, dim=64, n_head=4, seq=64, vocab=128, device="cpu", batch=4)
+    autosac.apply(model, autosac.solve(model, "80%", example_inputs=idx))
+    with pytest.raises(ValueError, match=r"call autosac.unapply\(model\) before profiling"):
+        autosac.profile(model, idx)
+    autosac.unapply(model)
+    autosac.profile(model, idx)
 
 
 def test_plan_for_another_model_is_refused_and_nothing_applied():

@@ -55,6 +55,33 @@ def test_corrupted_or_edited_plan_is_refused(plan, tmp_path, edit, match):
         Plan.load(path)
 
 
+def test_nesting_is_checked_for_every_prefix(plan):
+    data = json.loads(plan.to_json())
+    fqn, detail = next(iter(data["details"].items()))
+    for name in ("blocks.0", "blocks.0-x", "blocks.0.attn"):
+        data["decisions"][name] = 0.5
+        data["details"][name] = {**detail, "fqn": name}
+    for name in list(data["decisions"]):
+        if name not in ("blocks.0", "blocks.0-x", "blocks.0.attn"):
+            data["decisions"].pop(name)
+            data["details"].pop(name)
+    with pytest.raises(autosac.StatsFormatError, match="'blocks.0.attn' is nested inside checkpointed 'blocks.0'"):
+        Plan.from_json(json.dumps(data))
+
+
+def test_plan_from_given_decisions_renders_and_round_trips(plan):
+    from autosac.solver import plan_from_decisions
+
+    model, idx = build_model("seed-transformer", n_layer=2, seq=256)
+    stats = autosac.profile(model, idx)
+    given = plan_from_decisions(stats, {"blocks.0": 1.0, "blocks.1.attn": 0.5})
+    assert given.decisions["blocks.0"] == 1.0 and given.decisions["blocks.1.attn"] >= 0.5
+    assert "given" in str(given)
+    assert Plan.from_json(given.to_json()) == given
+    with pytest.raises(ValueError, match="nested inside"):
+        plan_from_decisions(stats, {"blocks.0": 1.0, "blocks.0.attn": 1.0})
+
+
 def test_cli_plan_prints_decisions_and_writes_json(tmp_path, capsys):
     out_path = tmp_path / "p.json"
     code = main(["plan", "--model", "seed-transformer", "--model-arg", "n_layer=2", "--seq", "256",
@@ -90,14 +117,18 @@ def test_cli_sweep_reuses_one_profile(capsys):
         (["plan", "--budget", "50%", "--model", "no.such.module:f"], "cannot load model factory"),
         (["plan", "--budget", "50%", "--model", "gpt-tiny", "--target", "tpu"], "unknown target 'tpu'"),
         (["verify", "/no/such/plan.json"], "No such file"),
+        (["plan", "--budget", "50%", "--batch", "-3"], "is not positive"),
+        (["plan", "--budget", "90%", "--model", "gpt-tiny", "--json", "/"], "IsADirectoryError|Errno"),
     ],
 )
 def test_cli_user_mistakes_are_one_line(argv, match):
     proc = subprocess.run([sys.executable, "-m", "autosac.cli", *argv], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in proc.stderr
-    assert __import__("re").search(match, lines[0]), lines[0]
+    assert "Traceback" not in proc.stderr
+    # one line -- after argparse's usage text, for mistakes argparse itself catches
+    assert len(lines) == 1 or lines[0].startswith("usage:")
+    assert __import__("re").search(match, lines[-1]), lines[-1]
 
 
 def test_llama_7b_planned_on_meta_in_ci():

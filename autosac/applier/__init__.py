@@ -9,6 +9,7 @@ whole model, a saved-tensor hook keeps parameter casts from being saved.
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 from torch import nn
@@ -16,7 +17,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from autosac.applier.casts import pack_cast, unpack_cast
 from autosac.applier.policy import ModulePolicy
-from autosac.errors import PlanMismatchError
+from autosac.errors import PlanMismatchError, StatsFormatError
 from autosac.fingerprint import model_fingerprint
 from autosac.plan import Plan
 
@@ -51,6 +52,8 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
         >>> autosac.apply(model, plan)
         >>> model(idx).sum().backward()     # same gradients, lower peak
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"apply needs an nn.Module, got {type(model).__name__}")
     if not isinstance(plan, Plan):
         raise TypeError(f"apply needs an autosac.Plan, got {type(plan).__name__}")
     plan.validate()
@@ -69,17 +72,28 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
             f"the plan was made for {plan.model} ({plan.fingerprint}) but this {type(model).__name__} is "
             f"({found}): module tree or parameter shapes differ -- re-plan for this model"
         )
+    try:
+        policies = {fqn: ModulePolicy.from_decision(plan.details[fqn]) for fqn in modules}
+    except (TypeError, ValueError, IndexError) as e:
+        raise StatsFormatError(f"malformed plan: {e}") from None
     unapply(model)
     for fqn, mod in modules.items():
-        _wrap(mod, ModulePolicy.from_decision(plan.details[fqn]))
-    pre = model.register_forward_pre_hook(_enter_cast_hooks)
-    post = model.register_forward_hook(_exit_cast_hooks, always_call=True)
-    setattr(model, _STATE, {"hooks": (pre, post), "wrapped": list(modules.values()), "plan": plan})
+        mod.forward = types.MethodType(_checkpointed_forward, mod)
+        mod._autosac_policy = policies[fqn]
+    model.register_forward_pre_hook(_enter_cast_hooks)
+    model.register_forward_hook(_exit_cast_hooks, always_call=True)
+    setattr(model, _STATE, {"plan": plan})
     return model
 
 
 def unapply(model: nn.Module) -> nn.Module:
     """Undo :func:`apply` (a no-op on a model without a plan); return the model.
+
+    Args:
+        model: a model :func:`apply` changed, or any other model.
+
+    Returns:
+        The same ``model``, with its modules' own forwards and no autosac hooks.
 
     Example::
 
@@ -88,38 +102,45 @@ def unapply(model: nn.Module) -> nn.Module:
     state = model.__dict__.pop(_STATE, None)
     if state is None:
         return model
-    for h in state["hooks"]:
-        h.remove()
-    for mod in state["wrapped"]:
-        mod.__dict__.pop("forward", None)
-        mod.__dict__.pop("_autosac_policy", None)
+    # found by identity rather than through handles, which a deepcopy would share
+    for table in (model._forward_pre_hooks, model._forward_hooks):
+        for key in [k for k, fn in table.items() if fn in (_enter_cast_hooks, _exit_cast_hooks)]:
+            del table[key]
+            model._forward_hooks_always_called.pop(key, None)
+    for mod in model.modules():
+        if "_autosac_policy" in mod.__dict__:
+            mod.__dict__.pop("forward", None)
+            mod.__dict__.pop("_autosac_policy", None)
     return model
 
 
 def applied_plan(model: nn.Module) -> Plan | None:
-    """The plan :func:`apply` put on ``model``, if any."""
+    """The plan :func:`apply` put on ``model``, if any.
+
+    Example::
+
+        >>> autosac.applier.applied_plan(model) is None
+        True
+    """
     state = model.__dict__.get(_STATE)
     return None if state is None else state["plan"]
 
 
-def _wrap(mod: nn.Module, policy: ModulePolicy) -> None:
-    original = type(mod).forward.__get__(mod)
-
-    @functools.wraps(original)
-    def forward(*args, **kwargs):
-        if policy.mismatched or not torch.is_grad_enabled():
-            return original(*args, **kwargs)
-        fn, finished = policy.new_call()
-        out = checkpoint(
-            original, *args, use_reentrant=False, preserve_rng_state=True,
-            context_fn=functools.partial(create_selective_checkpoint_contexts, fn, allow_cache_entry_mutation=True),
-            **kwargs,
-        )
-        finished()
-        return out
-
-    mod.forward = forward
-    mod._autosac_policy = policy
+def _checkpointed_forward(self, *args, **kwargs):
+    # Looked up on ``self`` at call time, so a deepcopy of the model checkpoints
+    # its own weights with its own policy.
+    original = type(self).forward.__get__(self)
+    policy: ModulePolicy = self._autosac_policy
+    if policy.mismatched or not torch.is_grad_enabled():
+        return original(*args, **kwargs)
+    fn, finished = policy.new_call()
+    out = checkpoint(
+        original, *args, use_reentrant=False, preserve_rng_state=True,
+        context_fn=functools.partial(create_selective_checkpoint_contexts, fn, allow_cache_entry_mutation=True),
+        **kwargs,
+    )
+    finished()
+    return out
 
 
 def _enter_cast_hooks(module, args):

@@ -31,12 +31,13 @@ class ModulePolicy:
 
     @classmethod
     def from_decision(cls, d: Decision) -> ModulePolicy:
+        """Raises TypeError/ValueError on malformed (hand-edited) op entries."""
         recompute = set()
         for op in d.ops:
-            recompute.add((op.op, op.occurrence))
-            recompute.update((w[0], w[1]) for w in op.writers)
-        save = {(op, occ) for op, occ in d.save_ops} - recompute
-        return cls(d.fqn, recompute, save, dict(d.op_counts))
+            recompute.add((str(op.op), int(op.occurrence)))
+            recompute.update((str(w[0]), int(w[1])) for w in op.writers)
+        save = {(str(op), int(occ)) for op, occ in d.save_ops} - recompute
+        return cls(d.fqn, recompute, save, {str(k): int(v) for k, v in dict(d.op_counts).items()})
 
     def new_call(self):
         """A fresh policy function for one forward call of the module."""

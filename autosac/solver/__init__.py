@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from autosac.budget import format_bytes, parse_budget
-from autosac.errors import InfeasibleBudgetError
+from autosac.errors import InfeasibleBudgetError, SolveTimeoutError
 from autosac.plan import Decision, Plan, RecomputeOp
 from autosac.solver.backends import BACKENDS, Solution
 from autosac.solver.chain import NotAChain, solve_chain
@@ -54,6 +54,7 @@ def solve(
 
     Raises:
         InfeasibleBudgetError: no plan reaches the budget; ``.min_feasible_bytes`` says what does.
+        SolveTimeoutError: the solver found no plan at all within ``time_limit_s``.
         ValueError: a malformed budget, an unknown solver, or a model without example_inputs.
 
     Example::
@@ -66,6 +67,8 @@ def solve(
         raise ValueError(f"unknown solver {solver!r}: use one of {', '.join(BACKENDS)}")
     if isinstance(model_or_stats, ModelStats):
         stats = model_or_stats
+    elif not hasattr(model_or_stats, "named_modules"):
+        raise TypeError(f"solve needs an nn.Module or a ModelStats, got {type(model_or_stats).__name__}")
     else:
         if example_inputs is None:
             raise ValueError("solve(model, ...) needs example_inputs= to profile the model (or pass a ModelStats)")
@@ -73,15 +76,16 @@ def solve(
 
         stats = profile(model_or_stats, example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                         target=target, world_size=world_size)
-    budget_bytes = parse_budget(budget, stats.peak_bytes)
+    problem = build_problem(stats, max_choices)
+    budget_bytes = parse_budget(budget, problem.baseline_peak)
     if reserve:
         if isinstance(reserve, str) and reserve.strip().endswith("%"):
             raise ValueError("reserve must be an absolute size like '2GiB', not a percentage")
-        budget_bytes -= parse_budget(reserve, stats.peak_bytes)
+        budget_bytes -= parse_budget(reserve, problem.baseline_peak)
         if budget_bytes <= 0:
             raise ValueError("reserve is not smaller than the budget: nothing left to plan for")
     return solve_stats(stats, budget_bytes, solver=solver, time_limit_s=time_limit_s, max_choices=max_choices,
-                       presolve=presolve)
+                       presolve=presolve, problem=problem)
 
 
 def solve_stats(
@@ -113,7 +117,12 @@ def solve_stats(
         # No plan of its own: either the budget is below the least peak, or the
         # time limit hit first.  The least-peak problem settles it (and, within
         # budget, is a plan to fall back on); it gets some time of its own.
-        best_peak, best_choice = least_peak(problem, solver=solver, time_limit_s=max(time_limit_s, 10.0))
+        least = least_peak(problem, solver=solver, time_limit_s=time_limit_s)
+        if least is None:
+            raise SolveTimeoutError(
+                f"the {solver} solver found no plan within time_limit_s={time_limit_s:g}: raise the time limit"
+            )
+        best_peak, best_choice = least
         if best_peak > budget_bytes:
             raise InfeasibleBudgetError(
                 f"budget {format_bytes(budget_bytes)} is below the least reachable peak "
@@ -164,12 +173,20 @@ def plan_from_decisions(
     return _make_plan(stats, problem, choice, budget, info)
 
 
-def least_peak(problem: Problem, *, solver: str = "cbc", time_limit_s: float = 60) -> tuple[int, dict[int, int]]:
-    """The least peak any plan reaches, and a plan that reaches it."""
+def least_peak(
+    problem: Problem, *, solver: str = "cbc", time_limit_s: float = 60
+) -> tuple[int, dict[int, int]] | None:
+    """The least peak any plan reaches and a plan that reaches it (candidate ->
+    choice), or ``None`` when the solver found no plan in time.
+
+    Example::
+
+        >>> peak, choice = least_peak(build_problem(stats))
+    """
     milp = build_milp(problem, None)
     sol = BACKENDS[solver](milp, time_limit_s)
     if sol.x is None:
-        return int(problem.live.max(initial=0)), {}
+        return None
     choice = decode(milp, sol.x)
     return problem.evaluate(choice), choice
 
@@ -178,10 +195,14 @@ def _trivial(backend: str) -> dict:
     return {"backend": backend, "status": "optimal", "gap": 0.0, "seconds": 0.0, "objective": 0.0, "bound": 0.0}
 
 
+def _finite(x: float) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
 def _info(sol: Solution) -> dict:
     return {
-        "backend": sol.backend, "status": sol.status, "gap": sol.gap if math.isfinite(sol.gap) else None,
-        "seconds": sol.seconds, "objective": sol.objective, "bound": sol.bound,
+        "backend": sol.backend, "status": sol.status, "gap": _finite(sol.gap),
+        "seconds": sol.seconds, "objective": _finite(sol.objective), "bound": _finite(sol.bound),
     }
 
 
@@ -225,7 +246,7 @@ def _make_plan(stats: ModelStats, problem: Problem, choice: dict[int, int], budg
     return Plan(
         model=stats.model, fingerprint=stats.fingerprint, target=stats.target.get("name", "?"),
         world_size=stats.world_size, optimizer=stats.optimizer, budget_bytes=int(budget_bytes),
-        baseline_peak_bytes=stats.peak_bytes, predicted_peak_bytes=peak, recompute_ms=recompute,
+        baseline_peak_bytes=problem.baseline_peak, predicted_peak_bytes=peak, recompute_ms=recompute,
         baseline_step_ms=stats.step_ms, step_ms=stats.step_ms + recompute,
         decisions={f: d.ratio for f, d in details.items()}, details=details, solver=info,
         versions={"autosac": __version__, **{k: v for k, v in stats.versions.items() if k != "autosac"}},

@@ -50,7 +50,7 @@ def solve_highs(m: MatrixMILP, time_limit_s: float, start: np.ndarray | None = N
         status = "infeasible" if res.status == 2 else ("time_limit" if res.status == 1 else "error")
         return Solution(None, status, math.inf, math.nan, math.inf, dt, "highs")
     obj = float(m.c @ res.x)
-    bound = float(getattr(res, "mip_dual_bound", obj) if res.mip_dual_bound is not None else obj)
+    bound = float(res.mip_dual_bound) if res.mip_dual_bound is not None else obj
     status = "optimal" if res.status == 0 else "time_limit"
     return Solution(res.x, status, obj, bound, _gap(obj, bound), dt, "highs")
 

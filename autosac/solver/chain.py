@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autosac.solver.problem import Problem
+from autosac.solver.problem import bits as _bits
 
 
 class NotAChain(Exception):
@@ -104,6 +105,7 @@ def solve_chain(problem: Problem, budget_bytes: int, needs) -> ChainResult | Non
     ancestors = [sorted(c.ancestors) for c in cands]
     next_id = 1
     node_parent = [np.array([-1])]
+    node_cand = [np.array([-1])]
     node_choice = [np.array([0])]
     for i, c in enumerate(cands):
         new: dict[int, list] = {}
@@ -127,18 +129,19 @@ def solve_chain(problem: Problem, budget_bytes: int, needs) -> ChainResult | Non
             ids = np.arange(next_id, next_id + len(idx))
             next_id += len(idx)
             node_parent.append(par[idx])
-            node_choice.append(ch[idx] + 1000 * i)  # choice k of candidate i, 0 = skipped
+            node_cand.append(np.full(len(idx), i))
+            node_choice.append(ch[idx])  # choice k of candidate i, 0 = skipped
             fronts[last] = (d[idx], cost[idx], ids)
         if not fronts:
             return None
     best = min(((cost.min(), ids[cost.argmin()]) for d, cost, ids in fronts.values()), key=lambda x: x[0])
     parent = np.concatenate(node_parent)
-    code = np.concatenate(node_choice)
+    cand_of = np.concatenate(node_cand)
+    choice_of = np.concatenate(node_choice)
     choice, node = {}, int(best[1])
     while node > 0:
-        i, k = divmod(int(code[node]), 1000)
-        if k:
-            choice[i] = k
+        if choice_of[node]:
+            choice[int(cand_of[node])] = int(choice_of[node])
         node = int(parent[node])
     return ChainResult(float(best[0]), choice)
 
@@ -161,14 +164,6 @@ def _prefix_len(mask: int) -> int | None:
     p = mask.bit_length()
     return p if mask == (1 << p) - 1 else None
 
-
-def _bits(mask: int):
-    i = 0
-    while mask:
-        if mask & 1:
-            yield i
-        mask >>= 1
-        i += 1
 
 
 def _subtree_starts(problem: Problem) -> list[int]:

@@ -26,6 +26,7 @@ import numpy as np
 from scipy import sparse
 
 from autosac.solver.problem import Problem
+from autosac.solver.problem import bits as _bits
 
 MIB = float(1 << 20)
 
@@ -195,15 +196,6 @@ def encode(m: MatrixMILP, choice: dict[int, int]) -> np.ndarray:
     for i, k in choice.items():
         x[m.z_index[i][k - 1]] = 1.0
     return x
-
-
-def _bits(mask: int):
-    i = 0
-    while mask:
-        if mask & 1:
-            yield i
-        mask >>= 1
-        i += 1
 
 
 def decode(milp: MatrixMILP, x: np.ndarray) -> dict[int, int]:

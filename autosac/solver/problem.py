@@ -55,7 +55,7 @@ class Problem:
     live: np.ndarray  # bytes alive per event, as the plan sees them, before any checkpointing
     candidates: list[Candidate]
     always_ms: float  # recompute every plan pays: parameter casts
-    baseline_peak: int  # the unconstrained peak, as traced
+    baseline_peak: int  # the unconstrained peak: sharded over world_size, parameter casts saved
 
     def evaluate(self, choice: dict[int, int]) -> int:
         """Peak bytes when candidate ``i`` takes choice ``k`` (1-based) for each item."""
@@ -94,16 +94,16 @@ def _choice_indices(cum_bytes: np.ndarray, cum_ms: np.ndarray, max_choices: int)
     return keep[1:]
 
 
-def _adjusted_live(stats: ModelStats) -> np.ndarray:
+def _adjusted_live(stats: ModelStats, drop_casts: bool = True) -> np.ndarray:
     tl = stats.timeline
-    live = np.asarray(tl.live_bytes, dtype=np.int64)
+    live = np.asarray(tl.live_bytes, dtype=np.int64).copy()
     n = len(live)
     # Parameter casts are re-made on use, never saved.  Autocast's weight cache
     # still holds them until its region exits, usually with the forward: count
     # them gone from the first event after the forward.
     forward_end = next((i for i, ph in enumerate(tl.phases) if ph not in ("forward",)), n)
     for op in stats.saved_ops:
-        if op.param_cast:
+        if op.param_cast and drop_casts:
             live[max(forward_end, op.event + 1) : op.freed_event] -= op.bytes
     w = stats.world_size
     if w > 1:
@@ -119,10 +119,13 @@ def _gathered_unit_bytes(stats: ModelStats) -> np.ndarray:
     ModuleList/Sequential container are units (the usual per-block wrapping);
     everything else belongs to the root unit."""
     units = {}
-    for fqn, m in stats.modules.items():
-        if m.parent is not None and stats.modules[m.parent].type in ("ModuleList", "Sequential", "ModuleDict"):
+    for fqn in stats.subtree(stats.root):  # pre-order: outer units are found first
+        m = stats.modules[fqn]
+        parent = stats.modules.get(m.parent) if m.parent is not None else None
+        inside_unit = any(fqn.startswith(u + ".") for u in units)
+        if parent is not None and parent.type in ("ModuleList", "Sequential", "ModuleDict") and not inside_unit:
             units[fqn] = m.param_bytes_total
-    root_bytes = stats.param_bytes - sum(units.values())
+    root_bytes = max(0, stats.param_bytes - sum(units.values()))
     out = np.empty(len(stats.timeline), dtype=np.float64)
     cache: dict[str | None, float] = {}
     for t, mod in enumerate(stats.timeline.modules):
@@ -136,6 +139,16 @@ def _gathered_unit_bytes(stats: ModelStats) -> np.ndarray:
             cache[mod] = unit
         out[t] = cache[mod]
     return out
+
+
+def bits(mask: int):
+    """Indices of the set bits of ``mask``, lowest first."""
+    i = 0
+    while mask:
+        if mask & 1:
+            yield i
+        mask >>= 1
+        i += 1
 
 
 def _discard_items(stats: ModelStats, op_ids: list[int]) -> list[list[int]]:
@@ -225,4 +238,5 @@ def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
                 c.ancestors.append(index[probe])
             probe = stats.modules[probe].parent
     always = sum(op.ms for op in stats.saved_ops if op.param_cast)
-    return Problem(live=live, candidates=candidates, always_ms=always, baseline_peak=stats.peak_bytes)
+    baseline = int(_adjusted_live(stats, drop_casts=False).max(initial=0)) if stats.world_size > 1 else stats.peak_bytes
+    return Problem(live=live, candidates=candidates, always_ms=always, baseline_peak=baseline)

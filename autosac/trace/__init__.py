@@ -49,7 +49,9 @@ def profile(
     Raises:
         NothingToCheckpointError: nothing requires grad / the loss is not differentiable.
         TraceError: the forward raised (the message names the module) or inputs don't fit.
-        ValueError: an unknown target or optimizer, or ``world_size < 1``.
+        ValueError: an unknown target or optimizer, ``world_size < 1``, or a model
+            that already has a plan applied.
+        TypeError: ``model`` is not an ``nn.Module``.
 
     Example::
 
@@ -58,6 +60,12 @@ def profile(
         >>> stats = autosac.profile(model, torch.randint(0, 50304, (8, 1024), device="meta"))
         >>> print(stats.peak_bytes / 2**30, stats.peak_phase)
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"profile needs an nn.Module, got {type(model).__name__}")
+    from autosac.applier import applied_plan
+
+    if applied_plan(model) is not None:
+        raise ValueError("the model has an autosac plan applied: call autosac.unapply(model) before profiling it")
     spec = resolve_target(target)
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")

@@ -9,8 +9,8 @@ from collections import defaultdict
 import numpy as np
 
 from autosac.stats import ModelStats, ModuleStats, SavedOp, Timeline
-from autosac.trace.recorder import StorageRecord
-from autosac.trace.step import TracedStep, _stack_of
+from autosac.trace.recorder import StorageRecord, common_prefix
+from autosac.trace.step import TracedStep, stack_of
 from autosac.trace.tradeoff import exact_curve
 
 _RANDOM_OPS = {
@@ -81,16 +81,16 @@ def aggregate(
     # ---- saved ops: forward-made storages autograd keeps, grouped by producing op
     groups: dict[int, list[StorageRecord]] = defaultdict(list)
     for r in rec.storages:
-        if r.kind == "act" and r.saver_stack is not None and r.producer >= 0:
+        if r.kind == "act" and r.saver_stack is not None and r.producer >= 0 and r.nbytes > 0:
             groups[r.producer].append(r)
     saved_ops: list[SavedOp] = []
     own_saved: dict[str, int] = defaultdict(int)
     total_saved: dict[str, int] = defaultdict(int)
     discardable: dict[str, list[int]] = defaultdict(list)
     param_cast_bytes = 0
-    # param casts are re-made on every use (apply never saves them), so they cost like unsaved ops
-    producers = {ev for ev, recs in groups.items() if not any(r.param_cast for r in recs)}
-    producers |= {w for recs in groups.values() for r in recs if not r.param_cast for w in r.writers}
+    # ops a checkpoint does not re-run for free: producers of saved outputs (kept
+    # or discarded) and parameter casts, whose re-making every plan pays anyway
+    producers = set(groups) | {w for recs in groups.values() for r in recs for w in r.writers}
     for ev in sorted(groups):
         stack = rec.stacks[ev]
         recs = groups[ev]
@@ -99,9 +99,9 @@ def aggregate(
         chain = [ev, *writers]
         scope_stack = stack
         for r in recs:
-            scope_stack = _prefix(scope_stack, r.saver_stack)
+            scope_stack = common_prefix(scope_stack, r.saver_stack)
         for w in writers:
-            scope_stack = _prefix(scope_stack, rec.stacks[w])
+            scope_stack = common_prefix(scope_stack, rec.stacks[w])
         for fqn in stack:
             total_saved[fqn] += nbytes
         if stack:
@@ -139,7 +139,7 @@ def aggregate(
     work, profiles = _recompute_work(rec)
 
     for fqn, mtype in step.module_types.items():
-        stack = _stack_of(fqn)
+        stack = stack_of(fqn)
         sub_params = [ps for m in stack_subtree(fqn, step.module_children) for ps in param_own[m]]
         ids = discardable.get(fqn, [])
         bw = [bw_first[fqn], bw_last[fqn]] if fqn in bw_first else None
@@ -198,15 +198,6 @@ def aggregate(
     )
 
 
-def _prefix(a: tuple, b: tuple) -> tuple:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return a[:n]
-
-
 def stack_subtree(fqn: str, children: dict[str, list[str]]) -> list[str]:
     out, todo = [], [fqn]
     while todo:
@@ -217,18 +208,23 @@ def stack_subtree(fqn: str, children: dict[str, list[str]]) -> list[str]:
 
 
 def _recompute_work(rec) -> tuple[dict[str, int], dict[str, list[list[int]]]]:
-    """Per module, the tensors born and freed inside its forward (plus op
-    scratch): their peak, and their live bytes over the forward as
-    ``[event, bytes]`` change points.  Re-running the forward in the backward
-    holds these on top of the activations it re-creates."""
-    ends = {fqn: [w[1] for w in ws] for fqn, ws in rec.fw_windows.items()}
+    """Per module, what re-running its forward in the backward allocates besides
+    the saved activations it re-makes (kept ones come from the checkpoint's
+    cache): every other tensor its forward makes -- the short-lived ones for
+    their forward lifetime, the ones that outlive the forward (its output, say)
+    until the replay ends -- plus op scratch.  Returns their peak and their live
+    bytes over the forward as ``[event, bytes]`` change points."""
+    windows = {fqn: [tuple(w) for w in ws] for fqn, ws in rec.fw_windows.items()}
     deltas: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for r in rec.storages:
         if r.kind != "act" or r.producer < 0 or r.freed is None:
             continue
+        if r.saver_stack is not None and not r.param_cast:
+            continue  # a saved activation: re-made (discarded) or cached (kept)
         for fqn in rec.stacks[r.producer]:
-            if any(r.producer < e and r.freed <= e for e in ends.get(fqn, ())):
-                deltas[fqn] += [(r.producer, r.nbytes), (r.freed, -r.nbytes)]
+            for start, end in windows.get(fqn, ()):
+                if start <= r.producer < end:
+                    deltas[fqn] += [(r.producer, r.nbytes), (min(r.freed, end), -r.nbytes)]
     for ev, scratch in rec.transient.items():
         if rec.phases[ev] == "forward":
             for fqn in rec.stacks[ev]:

@@ -63,7 +63,7 @@ class Recording:
     unknown_ops: set[str] = field(default_factory=set)
 
 
-def _common_prefix(a: Stack, b: Stack) -> Stack:
+def common_prefix(a: Stack, b: Stack) -> Stack:
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -178,7 +178,7 @@ class StepRecorder(TorchDispatchMode):
             if idx is not None:
                 rec = self.rec.storages[idx]
                 stack = self._stack_t
-                rec.saver_stack = stack if rec.saver_stack is None else _common_prefix(rec.saver_stack, stack)
+                rec.saver_stack = stack if rec.saver_stack is None else common_prefix(rec.saver_stack, stack)
                 rec.saved_as_view = rec.saved_as_view or t._is_view()
         return t
 

@@ -111,7 +111,7 @@ def trace_step(
                     continue
                 owners[id(p)] = mod_fqn
                 fqn = f"{mod_fqn}.{pname}" if mod_fqn else pname
-                recorder.track_param(fqn, p, _stack_of(mod_fqn))
+                recorder.track_param(fqn, p, stack_of(mod_fqn))
                 state_bytes = _state_bytes(opt, p)
                 for t in _state_tensors(opt, p):
                     recorder.track(t, "optim")
@@ -151,17 +151,23 @@ def trace_step(
                 )
             with recorder:
                 recorder.phase = "backward"
-                loss.backward()
+                try:
+                    loss.backward()
+                except Exception as e:
+                    raise TraceError(f"the backward pass raised {type(e).__name__}: {_first_line(e)}") from None
                 del loss
                 recorder.phase = "optimizer"
                 for p in model.parameters():
                     if p.grad is not None:
                         recorder.relabel(p.grad, "grad")
-                if opt is not None:
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                else:
-                    model.zero_grad(set_to_none=True)
+                try:
+                    if opt is not None:
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+                    else:
+                        model.zero_grad(set_to_none=True)
+                except Exception as e:
+                    raise TraceError(f"the optimizer step raised {type(e).__name__}: {_first_line(e)}") from None
         finally:
             for h in hooks:
                 h.remove()
@@ -179,7 +185,13 @@ def trace_step(
     return TracedStep(recording, params, module_types, module_children, input_bytes, buffer_bytes)
 
 
-def _stack_of(fqn: str) -> tuple[str, ...]:
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def stack_of(fqn: str) -> tuple[str, ...]:
+    """The module stack of ``fqn``: root ``""`` first, then each enclosing module."""
     if fqn == "":
         return ("",)
     parts = fqn.split(".")
