@@ -10,7 +10,7 @@ a CPU roofline calibrated once on this machine.
 from __future__ import annotations
 
 import time
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import torch
 from torch.utils import flop_counter
@@ -75,12 +75,14 @@ def _extra_registry() -> dict:
 FLOP_REGISTRY = {**flop_counter.flop_registry, **_extra_registry()}
 
 
+@cache
 def is_view_op(func) -> bool:
     """True when the op's first result aliases an input without writing it."""
     returns = func._schema.returns
     return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
 
 
+@cache
 def is_inplace_op(func) -> bool:
     """True when the op writes into one of its inputs."""
     return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
@@ -135,6 +137,7 @@ def _compute_dtype(args) -> torch.dtype:
     return torch.float32
 
 
+@cache
 def is_known_memory_bound(func) -> bool:
     name = func.overloadpacket.__name__
     return (

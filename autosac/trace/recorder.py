@@ -225,7 +225,7 @@ class StepRecorder(TorchDispatchMode):
         if phase == "forward":
             self._note_param_use(func, args, outs)
             # grad_fn is attached above this dispatch level: resolve it at the next op
-            self._pending.extend((weakref.ref(t), stack) for t in outs)
+            self._pending.extend((weakref.ref(t), stack) for t in outs if t.is_floating_point())
         return out
 
     def _note_param_use(self, func, args, outs) -> None:

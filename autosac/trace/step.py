@@ -265,8 +265,28 @@ def _state_bytes(opt, p) -> int:
 
 
 def _init_optimizer_state(model: nn.Module, opt) -> None:
-    """One update on zero gradients so the state exists as in a steady-state step."""
+    """Give the optimizer the state it has from the second step on.
+
+    Adam/AdamW (without amsgrad) and momentum SGD get their state tensors made
+    directly, as their first step makes them; any other optimizer takes one
+    update on zero gradients (slower in fake mode: foreach ops over every param).
+    """
     if opt is None:
+        return
+    kind = type(opt)
+    if kind in (torch.optim.Adam, torch.optim.AdamW) and not any(g["amsgrad"] for g in opt.param_groups):
+        for g in opt.param_groups:
+            for p in g["params"]:
+                opt.state[p] = {
+                    "step": torch.tensor(1.0, dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
+        return
+    if kind is torch.optim.SGD and all(g["momentum"] for g in opt.param_groups):
+        for g in opt.param_groups:
+            for p in g["params"]:
+                opt.state[p] = {"momentum_buffer": torch.zeros_like(p)}
         return
     for p in model.parameters():
         if p.requires_grad:
