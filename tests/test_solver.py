@@ -217,3 +217,15 @@ def test_world_size_shards_params_grads_and_optimizer_state():
     diff = int(one.live[t]) - int(eight.live[t])
     assert abs(diff - (state - block) * 7 / 8) <= 16
     assert eight.live.max() < one.live.max()
+
+
+def test_time_limit_with_presolve_returns_the_chain_optimum():
+    from autosac.models import build_model
+
+    model, idx = build_model("seed-transformer", n_layer=8)
+    stats = autosac.profile(model, idx)
+    full = autosac.solve(stats, "45%")
+    rushed = autosac.solve(stats, "45%", time_limit_s=0.001, solver="highs")
+    assert rushed.solver["status"] in ("optimal", "time_limit_presolve", "time_limit")
+    assert rushed.predicted_peak_bytes <= rushed.budget_bytes
+    assert math.isclose(rushed.recompute_ms, full.recompute_ms, rel_tol=1e-4)

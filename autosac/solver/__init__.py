@@ -97,7 +97,7 @@ def solve_stats(
     if int(problem.live.max(initial=0)) <= budget_bytes:
         return _make_plan(stats, problem, {}, budget_bytes, _trivial(solver))
     milp = build_milp(problem, budget_bytes)
-    start = None
+    start = chain = None
     if presolve:
         # Nested intervals: the exact chain DP gives the optimum; the MILP gets it
         # as a proven lower bound and (CBC) as its starting solution.
@@ -113,6 +113,10 @@ def solve_stats(
                 start = encode(milp, chain.choice)
     sol = BACKENDS[solver](milp, time_limit_s, start) if milp is not None else Solution(
         None, "infeasible", math.inf, math.nan, math.inf, 0.0, solver)
+    if sol.x is None and chain is not None:
+        # The MILP ran out of time before confirming it: the chain optimum stands, flagged.
+        info = {**_info(sol), "status": "time_limit_presolve", "objective": chain.objective, "presolve": "chain"}
+        return _make_plan(stats, problem, chain.choice, budget_bytes, info)
     if sol.x is None:
         # No plan of its own: either the budget is below the least peak, or the
         # time limit hit first.  The least-peak problem settles it (and, within
