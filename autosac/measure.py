@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from autosac.optim import OptimizerSpec, default_loss, make_optimizer
+from autosac.optim import OptimizerSpec, default_loss, make_optimizer, split_inputs
 
 
 @dataclass
@@ -72,12 +72,7 @@ def measure(
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("the model is on meta: measure needs real weights (build it on cpu)")
     loss_fn = loss_fn or default_loss
-    if isinstance(example_inputs, dict):
-        args, kwargs = (), example_inputs
-    elif isinstance(example_inputs, (tuple, list)):
-        args, kwargs = tuple(example_inputs), {}
-    else:
-        args, kwargs = (example_inputs,), {}
+    args, kwargs = split_inputs(example_inputs)
     opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
 
     def step() -> float:

@@ -43,6 +43,15 @@ def optimizer_name(spec: OptimizerSpec) -> str:
     return spec.lower() if isinstance(spec, str) else getattr(spec, "__name__", "custom")
 
 
+def split_inputs(example_inputs) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` from a tensor, a tuple/list of positional args, or a dict of kwargs."""
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
+
+
 def default_loss(output) -> torch.Tensor:
     """The output itself when it is a scalar tensor, else ``output.float().sum()``
     (over every tensor in a tuple/dict output)."""

@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from autosac.errors import NothingToCheckpointError, TraceError
-from autosac.optim import OptimizerSpec, default_loss, make_optimizer
+from autosac.optim import OptimizerSpec, default_loss, make_optimizer, split_inputs
 from autosac.stats import ParamStats
 from autosac.trace.costs import CostModel
 from autosac.trace.recorder import Recording, StepRecorder
@@ -65,14 +65,6 @@ def fake_parameters(model: nn.Module, mode: FakeTensorMode):
             table[name] = t
 
 
-def _split_inputs(example_inputs) -> tuple[tuple, dict]:
-    if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), {}
-    return (example_inputs,), {}
-
-
 def trace_step(
     model: nn.Module,
     example_inputs,
@@ -98,7 +90,7 @@ def trace_step(
     with fake_parameters(model, mode), mode:
         args, kwargs = tree_map(
             lambda x: _fake_like(x, x.requires_grad) if isinstance(x, torch.Tensor) else x,
-            _split_inputs(example_inputs),
+            split_inputs(example_inputs),
         )
         opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
         _init_optimizer_state(model, opt)
