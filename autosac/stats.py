@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from autosac.errors import StatsFormatError
 
-STATS_FORMAT = 1
+STATS_FORMAT = 2
 
 
 @dataclass
@@ -23,7 +23,8 @@ class SavedOp:
     module that contains the op, every in-place op that later wrote its output
     (``writer_events``, e.g. dropout's ``bernoulli_`` on CPU) and every op that
     saved it, so checkpointing any module at or above ``scope`` may discard it.
-    ``ms`` is the recompute cost of the op and its writers together.
+    ``ms`` is the recompute cost of the op and its writers together;
+    ``savers`` the innermost module of each op that saved it.
     """
 
     id: int
@@ -39,6 +40,7 @@ class SavedOp:
     inplace: bool = False
     param_cast: bool = False
     writer_events: list[int] = field(default_factory=list)
+    savers: list[str] = field(default_factory=list)  # innermost module of each op that saved it
 
 
 @dataclass
@@ -52,7 +54,11 @@ class ModuleStats:
     ``recompute_work_bytes`` the memory those short-lived tensors (born and dead
     inside its forward, matmul scratch included) need at once when it recomputes.
     A checkpoint holds its module's inputs until the backward re-runs it:
-    ``retained_input_bytes`` are those the unmodified step frees earlier.
+    ``retained_input_bytes`` are those the unmodified step frees earlier.  It
+    keeps (caches) the op calls with an output saved inside the module, unless
+    it discards them, and re-runs all others: ``cache_holds`` lists, per kept
+    op call, the bytes of its other outputs that the unmodified step frees
+    before the module's backward but the cache holds until then.
     """
 
     fqn: str
@@ -82,6 +88,7 @@ class ModuleStats:
     recompute_work_bytes: int  # most bytes of its forward's short-lived tensors alive at once
     recompute_profile: list[list[int]]  # [event, short-lived bytes alive] wherever that changes
     retained_input_bytes: int  # inputs a checkpoint keeps alive that would die before its backward
+    cache_holds: list[list[int]] = field(default_factory=list)  # [op event, bytes]: see above
     saved_op_ids: list[int] = field(default_factory=list)
     discardable_bytes: int = 0
     tradeoff: list[list[float]] = field(default_factory=list)
@@ -109,7 +116,9 @@ class ParamStats:
 class Timeline:
     """Columnar per-op record of the step: op name, phase, innermost module
     (``None`` outside the model), live bytes during the op (its inputs, outputs
-    and internal scratch), of which gradients, and its ms."""
+    and internal scratch), of which gradients, its ms, and the bytes the op
+    itself allocates (outputs and scratch: ``live - made`` is what was live
+    just before it ran)."""
 
     ops: list[str]
     phases: list[str]
@@ -117,6 +126,7 @@ class Timeline:
     live_bytes: list[int]
     grad_bytes: list[int]
     ms: list[float]
+    made_bytes: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.ops)

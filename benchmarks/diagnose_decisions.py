@@ -6,8 +6,10 @@ an interaction between two checkpoints.
     python benchmarks/diagnose_decisions.py --budget least   # the least feasible plan
     python benchmarks/diagnose_decisions.py --budget 50%
 
-Known case (2-layer GPT below, least feasible budget): blocks.1.attn.attn_dropout
-together with blocks.1.mlp measures 25 MiB over the prediction.
+Found this way: the checkpoint's cache held the dropout's output (kept because
+the next matmul saves it) past that matmul's backward, 25 MiB over the
+prediction for blocks.1.attn.attn_dropout + blocks.1.mlp; ops saved only
+outside a checkpointed module are now re-run, not cached.
 """
 
 from __future__ import annotations

@@ -203,7 +203,7 @@ def test_stats_json_round_trip_and_version_check():
     s = autosac.profile(model, x)
     again = autosac.ModelStats.from_json(s.to_json())
     assert again == s
-    bad = s.to_json().replace('"format":1', '"format":99')
+    bad = s.to_json().replace(f'"format":{autosac.stats.STATS_FORMAT}', '"format":99')
     with pytest.raises(autosac.StatsFormatError, match="format 99"):
         autosac.ModelStats.from_json(bad)
     with pytest.raises(autosac.StatsFormatError):

@@ -229,11 +229,13 @@ def _make_plan(stats: ModelStats, problem: Problem, choice: dict[int, int], budg
                     writers=[[tl.ops[w], occ[w]] for w in op.writer_events],
                 ))
         ops.sort(key=lambda o: (o.op, o.occurrence))
-        # every other op backward needs from inside the window is kept (with its in-place writers)
+        # every other op with an output saved inside the module is kept (with its
+        # in-place writers); one saved only outside is re-run, since caching it
+        # would hold it past its consumers' backward
         save = []
         for e in range(window[0], window[1]):
             op = saved_events.get(e)
-            if op is not None and e not in chosen and not op.param_cast:
+            if op is not None and e not in chosen and not op.param_cast and _saved_inside(op, cand.fqn):
                 save += [[tl.ops[x], occ[x]] for x in (e, *op.writer_events) if x < window[1]]
         counts: dict[str, int] = {}
         for e in range(window[0], window[1]):
@@ -255,6 +257,10 @@ def _make_plan(stats: ModelStats, problem: Problem, choice: dict[int, int], budg
         decisions={f: d.ratio for f, d in details.items()}, details=details, solver=info,
         versions={"autosac": __version__, **{k: v for k, v in stats.versions.items() if k != "autosac"}},
     )
+
+
+def _saved_inside(op, fqn: str) -> bool:
+    return any(fqn == "" or s == fqn or s.startswith(fqn + ".") for s in op.savers)
 
 
 def _occurrences(ops: list[str], window: list[int]) -> dict[int, int]:

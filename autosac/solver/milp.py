@@ -84,7 +84,8 @@ def _needs(problem: Problem) -> list[_Need]:
     for i, c in enumerate(cands):
         if c.end < n:
             cov, pn = at[c.end]
-            needs.append(_Need(cov, pn & ~(1 << i), float(problem.live[c.end]), i))
+            # the replay runs before the backward op there allocates anything
+            needs.append(_Need(cov, pn & ~(1 << i), float(problem.live[c.end] - problem.made[c.end]), i))
     return needs
 
 

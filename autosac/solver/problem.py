@@ -32,7 +32,8 @@ class Candidate:
       step holds ``bytes[k]`` less: the discarded activations, less the
       ``hold`` bytes the checkpoint keeps (inputs that would have died, RNG state);
     * from ``end`` to ``bw_end`` (its backward) it holds ``hold`` more;
-    * at ``end``, while it recomputes, ``work[k]`` more on top of that.
+    * at ``end``, while it recomputes -- before the first backward op there
+      allocates anything -- ``work[k]`` more on top of that.
     """
 
     fqn: str
@@ -53,6 +54,7 @@ class Candidate:
 @dataclass
 class Problem:
     live: np.ndarray  # bytes alive per event, as the plan sees them, before any checkpointing
+    made: np.ndarray  # bytes each event allocates itself (``live - made``: just before it)
     candidates: list[Candidate]
     always_ms: float  # recompute every plan pays: parameter casts
     baseline_peak: int  # the unconstrained peak: sharded over world_size, parameter casts saved
@@ -60,13 +62,16 @@ class Problem:
     def evaluate(self, choice: dict[int, int]) -> int:
         """Peak bytes when candidate ``i`` takes choice ``k`` (1-based) for each item."""
         mem = self.live.astype(np.int64).copy()
-        extra = np.zeros_like(mem)
         for i, k in choice.items():
             c = self.candidates[i]
             mem[c.start : c.end] -= c.bytes[k - 1]
             mem[c.end : c.bw_end + 1] += c.hold
-            extra[c.end] = max(extra[c.end], c.work[k - 1])
-        return int((mem + extra).max()) if len(mem) else 0
+        peak = int(mem.max()) if len(mem) else 0
+        for i, k in choice.items():
+            c = self.candidates[i]
+            if c.end < len(mem):
+                peak = max(peak, int(mem[c.end] - self.made[c.end]) + c.work[k - 1])
+        return peak
 
     def recompute_ms(self, choice: dict[int, int]) -> float:
         return self.always_ms + sum(self.candidates[i].ms[k - 1] for i, k in choice.items())
@@ -167,18 +172,28 @@ def _discard_items(stats: ModelStats, op_ids: list[int]) -> list[list[int]]:
     return sorted(items, key=key)
 
 
+def _cache_held(m, stats: ModelStats, items: list[list[int]], n: int) -> tuple[int, list[tuple[int, int]]]:
+    """For the choice discarding ``items[:n]``: bytes the checkpoint's cache holds
+    for the kept op calls, and ``(event, bytes)`` of those outputs that the
+    discarded calls make again instead."""
+    discarded = {stats.saved_ops[i].event for it in items[:n] for i in it}
+    held = sum(b for e, b in m.cache_holds if e not in discarded)
+    return held, [(e, b) for e, b in m.cache_holds if e in discarded]
+
+
 def _recompute_extra(stats: ModelStats, m, items: list[list[int]], picks: list[int]) -> list[int]:
     """Per choice, how far above ``live - discarded`` memory rises while the module
     recomputes: the forward is replayed in order, so at each replayed event the
-    discarded activations re-made so far plus the short-lived tensors alive then.
+    discarded activations re-made so far (with their ops' other outputs) plus
+    the short-lived tensors alive then, while the cache still holds what it keeps.
     The result is at least 0 and at most the discarded bytes plus the work peak."""
     profile = m.recompute_profile
     out = []
     for n in picks:
-        made = sorted(
-            (stats.saved_ops[i].event, stats.saved_ops[i].bytes) for it in items[:n] for i in it
-        )
-        total = sum(b for _, b in made)
+        held, remade = _cache_held(m, stats, items, n)
+        discarded = [(stats.saved_ops[i].event, stats.saved_ops[i].bytes) for it in items[:n] for i in it]
+        made = sorted(discarded + remade)
+        total = sum(b for _, b in discarded)
         events = sorted({e for e, _ in made} | {e for e, _ in profile})
         best, j, k, remade, short = 0, 0, 0, 0, 0
         for e in events:
@@ -190,7 +205,7 @@ def _recompute_extra(stats: ModelStats, m, items: list[list[int]], picks: list[i
                 k += 1
             best = max(best, remade + short)
         # the recompute also stashes the current RNG state while it replays the forward's
-        out.append(max(0, best - total) + stats.checkpoint_state_bytes)
+        out.append(max(0, best - total) + held + stats.checkpoint_state_bytes)
     return out
 
 
@@ -214,13 +229,16 @@ def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
         cum_t = np.cumsum([sum(stats.saved_ops[i].ms for i in it) for it in items])
         picks = _choice_indices(cum_b, cum_t, max_choices)
         hold = m.retained_input_bytes + stats.checkpoint_state_bytes
+        # what the cache holds for kept ops is not saved either (conservatively
+        # over the whole interval: it is held from its consumers' backward on)
+        net = {j: int(cum_b[j - 1]) - hold - _cache_held(m, stats, items, j)[0] for j in picks}
         # a choice that saves no more than the checkpoint holds is never worth taking
-        picks = [j for j in picks if cum_b[j - 1] > hold]
+        picks = [j for j in picks if net[j] > 0]
         if not picks:
             continue
         cand = Candidate(
             fqn=fqn, start=fw_end, end=m.bw_window[0], bw_end=m.bw_window[1],
-            bytes=[int(cum_b[j - 1]) - hold for j in picks],
+            bytes=[net[j] for j in picks],
             discarded=[int(cum_b[j - 1]) for j in picks],
             ms=[float(cum_t[j - 1]) + m.fixed_recompute_ms for j in picks],
             n_items=picks, items=items, discardable_bytes=int(cum_b[-1]), hold=hold,
@@ -239,4 +257,5 @@ def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
             probe = stats.modules[probe].parent
     always = sum(op.ms for op in stats.saved_ops if op.param_cast)
     baseline = int(_adjusted_live(stats, drop_casts=False).max(initial=0)) if stats.world_size > 1 else stats.peak_bytes
-    return Problem(live=live, candidates=candidates, always_ms=always, baseline_peak=baseline)
+    made = np.asarray(stats.timeline.made_bytes or np.zeros(len(live)), dtype=np.int64)
+    return Problem(live=live, made=made, candidates=candidates, always_ms=always, baseline_peak=baseline)

@@ -50,8 +50,13 @@ def aggregate(
     rec = step.recording
     n = len(rec.ops)
     live = _live_timeline(rec.storages, n)
+    made = np.zeros(n, dtype=np.int64)
+    for r in rec.storages:
+        if 0 <= r.created < n and (r.freed is None or r.freed > r.created):
+            made[r.created] += r.nbytes
     for ev, scratch in rec.transient.items():
         live[ev] += scratch
+        made[ev] += scratch
     peak_event = int(np.argmax(live)) if n else 0
     peak_bytes = int(live[peak_event]) if n else sum(r.nbytes for r in rec.storages if r.created < 0)
 
@@ -88,9 +93,6 @@ def aggregate(
     total_saved: dict[str, int] = defaultdict(int)
     discardable: dict[str, list[int]] = defaultdict(list)
     param_cast_bytes = 0
-    # ops a checkpoint does not re-run for free: producers of saved outputs (kept
-    # or discarded) and parameter casts, whose re-making every plan pays anyway
-    producers = set(groups) | {w for recs in groups.values() for r in recs for w in r.writers}
     for ev in sorted(groups):
         stack = rec.stacks[ev]
         recs = groups[ev]
@@ -113,6 +115,7 @@ def aggregate(
             freed_event=max(r.freed for r in recs), bytes=nbytes, ms=sum(rec.ms[i] for i in chain),
             random=any(rec.ops[i] in _RANDOM_OPS for i in chain), view=any(r.saved_as_view for r in recs),
             inplace=bool(writers), param_cast=any(r.param_cast for r in recs), writer_events=writers,
+            savers=sorted({st[-1] for r in recs for st in r.saver_stacks if st}),
         )
         saved_ops.append(op)
         if op.param_cast:
@@ -135,8 +138,10 @@ def aggregate(
     param_own: dict[str, list] = defaultdict(list)
     for ps in step.params.values():
         param_own[ps.module].append(ps)
-    fixed_ms = _fixed_recompute_ms(rec, producers)
-    work, profiles = _recompute_work(rec)
+    kept = _kept_events(rec, saved_ops, groups)
+    cast_events = {e for op in saved_ops if op.param_cast for e in (op.event, *op.writer_events)}
+    fixed_ms = _fixed_recompute_ms(rec, kept, cast_events)
+    work, profiles, cache_holds = _recompute_work(rec, kept, bw_first)
 
     for fqn, mtype in step.module_types.items():
         stack = stack_of(fqn)
@@ -168,6 +173,7 @@ def aggregate(
                 if rec.storages[i].kind in ("act", "temp") and bw is not None and rec.storages[i].freed <= bw[0]
             ),
             saved_op_ids=ids, discardable_bytes=sum(saved_ops[i].bytes for i in ids),
+            cache_holds=sorted([e, b] for e, b in cache_holds.get(fqn, {}).items()),
         )
         curve = exact_curve([(saved_ops[i].bytes, saved_ops[i].ms) for i in ids])
         modules[fqn].tradeoff = curve
@@ -193,6 +199,7 @@ def aggregate(
             modules=[s[-1] if s else None for s in rec.stacks],
             live_bytes=[int(x) for x in live],
             grad_bytes=[int(x) for x in _live_timeline(rec.storages, n, "grad")], ms=list(rec.ms),
+            made_bytes=[int(x) for x in made],
         ),
         unknown_flop_ops=sorted(rec.unknown_ops), versions=versions,
     )
@@ -207,24 +214,48 @@ def stack_subtree(fqn: str, children: dict[str, list[str]]) -> list[str]:
     return out
 
 
-def _recompute_work(rec) -> tuple[dict[str, int], dict[str, list[list[int]]]]:
+def _kept_events(rec, saved_ops: list[SavedOp], groups) -> dict[str, set[int]]:
+    """Per module, the forward op calls its checkpoint keeps when it does not
+    discard them: those with an output that an op inside the module saves (and
+    their in-place writers).  Outputs saved only by ops outside it are not kept:
+    caching them would hold them past their consumers' backward."""
+    kept: dict[str, set[int]] = defaultdict(set)
+    for op in saved_ops:
+        if op.param_cast:
+            continue
+        chain = (op.event, *op.writer_events)
+        for r in groups[op.event]:
+            for st in r.saver_stacks:
+                for fqn in common_prefix(rec.stacks[op.event], st):
+                    kept[fqn].update(chain)
+    return kept
+
+
+def _recompute_work(rec, kept: dict[str, set[int]], bw_first: dict[str, int]):
     """Per module, what re-running its forward in the backward allocates besides
-    the saved activations it re-makes (kept ones come from the checkpoint's
-    cache): every other tensor its forward makes -- the short-lived ones for
-    their forward lifetime, the ones that outlive the forward (its output, say)
-    until the replay ends -- plus op scratch.  Returns their peak and their live
-    bytes over the forward as ``[event, bytes]`` change points."""
+    the saved activations it re-makes: every tensor made by an op it does not
+    keep -- the short-lived ones for their forward lifetime, the ones that
+    outlive the forward (its output, say) until the replay ends -- plus op
+    scratch.  Returns their peak, their live bytes over the forward as
+    ``[event, bytes]`` change points, and per kept op the bytes of its other
+    outputs that the checkpoint's cache holds from their free until the backward."""
     windows = {fqn: [tuple(w) for w in ws] for fqn, ws in rec.fw_windows.items()}
     deltas: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    holds: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
     for r in rec.storages:
         if r.kind != "act" or r.producer < 0 or r.freed is None:
             continue
-        if r.saver_stack is not None and not r.param_cast:
-            continue  # a saved activation: re-made (discarded) or cached (kept)
-        for fqn in rec.stacks[r.producer]:
+        p = r.producer
+        for fqn in rec.stacks[p]:
             for start, end in windows.get(fqn, ()):
-                if start <= r.producer < end:
-                    deltas[fqn] += [(r.producer, r.nbytes), (min(r.freed, end), -r.nbytes)]
+                if not start <= p < end:
+                    continue
+                if not r.param_cast and p in kept.get(fqn, ()):
+                    saved_inside = any(fqn in st for st in r.saver_stacks)
+                    if not saved_inside and fqn in bw_first and r.freed < bw_first[fqn]:
+                        holds[fqn][p] += r.nbytes
+                    continue
+                deltas[fqn] += [(p, r.nbytes), (min(r.freed, end), -r.nbytes)]
     for ev, scratch in rec.transient.items():
         if rec.phases[ev] == "forward":
             for fqn in rec.stacks[ev]:
@@ -242,16 +273,18 @@ def _recompute_work(rec) -> tuple[dict[str, int], dict[str, list[list[int]]]]:
             else:
                 profile.append([ev, cur])
         peaks[fqn], profiles[fqn] = best, profile
-    return peaks, profiles
+    return peaks, profiles, holds
 
 
-def _fixed_recompute_ms(rec, producers: set[int]) -> dict[str, float]:
+def _fixed_recompute_ms(rec, kept: dict[str, set[int]], cast_events: set[int]) -> dict[str, float]:
     """Per module, the forward ms of ops that a recompute re-runs whatever the
-    discard ratio: ops autograd saves nothing of (views are free)."""
+    discard ratio: ops it does not keep (views are free; parameter casts are
+    re-made by every plan and counted once, globally)."""
     out: dict[str, float] = defaultdict(float)
     for i, phase in enumerate(rec.phases):
-        if phase != "forward" or rec.views[i] or i in producers:
+        if phase != "forward" or rec.views[i] or i in cast_events:
             continue
         for fqn in rec.stacks[i]:
-            out[fqn] += rec.ms[i]
+            if i not in kept.get(fqn, ()):
+                out[fqn] += rec.ms[i]
     return out

@@ -37,6 +37,7 @@ class StorageRecord:
     producer: int = -1  # event index of the op that allocated it
     freed: int | None = None  # first event index at which it is no longer live
     saver_stack: Stack | None = None  # common ancestor stack of the ops that saved it
+    saver_stacks: set[Stack] = field(default_factory=set)  # each distinct stack that saved it
     param_cast: bool = False
     writers: list[int] = field(default_factory=list)  # forward in-place ops that wrote it later
     saved_as_view: bool = False  # autograd saved a view of it, not the base tensor
@@ -179,6 +180,7 @@ class StepRecorder(TorchDispatchMode):
                 rec = self.rec.storages[idx]
                 stack = self._stack_t
                 rec.saver_stack = stack if rec.saver_stack is None else common_prefix(rec.saver_stack, stack)
+                rec.saver_stacks.add(stack)
                 rec.saved_as_view = rec.saved_as_view or t._is_view()
         return t
 
