@@ -9,7 +9,7 @@ from pathlib import Path
 
 from autosac.errors import StatsFormatError
 
-PLAN_FORMAT = 1
+PLAN_FORMAT = 2
 
 
 @dataclass
@@ -30,9 +30,11 @@ class RecomputeOp:
 class Decision:
     """One checkpointed module.  At run time its selective-checkpoint policy
     recomputes ``ops`` (and their in-place writers), keeps ``save_ops`` (other
-    op calls whose outputs backward needs), and re-runs everything else (views,
-    parameter casts, ops whose outputs backward does not need).  ``op_counts``
-    is the traced number of calls per op: a forward that differs is detected."""
+    op calls with an output saved inside the module), and re-runs everything
+    else (views, parameter casts, ops whose outputs it does not save) -- except
+    ``skip_ops``, which nothing recomputed needs: the replay does not compute
+    them.  ``op_counts`` is the traced number of calls per op: a forward that
+    differs is detected."""
 
     fqn: str
     ratio: float  # discarded / discardable activation bytes, in (0, 1]
@@ -41,6 +43,7 @@ class Decision:
     recompute_ms: float
     ops: list[RecomputeOp]
     save_ops: list[list] = field(default_factory=list)  # [[op, occurrence], ...]
+    skip_ops: list[list] = field(default_factory=list)  # [[op, occurrence], ...]
     op_counts: dict[str, int] = field(default_factory=dict)
 
 

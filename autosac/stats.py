@@ -14,6 +14,13 @@ from autosac.errors import StatsFormatError
 
 STATS_FORMAT = 2
 
+# aten op names that draw from the RNG (a replay must re-run them in order)
+RANDOM_OPS = frozenset({
+    "native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like",
+    "randint", "randint_like", "randperm", "normal", "normal_", "uniform_", "multinomial",
+    "exponential_", "geometric_", "cauchy_", "log_normal_", "random_",
+})
+
 
 @dataclass
 class SavedOp:
@@ -48,10 +55,10 @@ class ModuleStats:
     """Per-module memory, runtime and recompute tradeoff (bytes and ms).
 
     ``*_total`` fields cover the module's whole subtree; others the module alone.
-    ``tradeoff`` is the exact convex curve of ``[bytes discarded, recompute ms]``
-    points from ``[0, 0]``, cheapest ms/byte first; ``fixed_recompute_ms`` is what
-    re-running the module's unsaved ops costs whenever it is checkpointed, and
-    ``recompute_work_bytes`` the memory those short-lived tensors (born and dead
+    ``tradeoff`` is the exact convex curve of ``[bytes discarded, ms of the
+    discarded ops]`` points from ``[0, 0]``, cheapest ms/byte first (the solver
+    prices a choice by everything its replay must compute, from the op graph in
+    the timeline); ``recompute_work_bytes`` the memory those short-lived tensors (born and dead
     inside its forward, matmul scratch included) need at once when it recomputes.
     A checkpoint holds its module's inputs until the backward re-runs it:
     ``retained_input_bytes`` are those the unmodified step frees earlier.  It
@@ -84,7 +91,6 @@ class ModuleStats:
     output_bytes: int
     fw_ms: float
     bw_ms: float
-    fixed_recompute_ms: float
     recompute_work_bytes: int  # most bytes of its forward's short-lived tensors alive at once
     recompute_profile: list[list[int]]  # [event, short-lived bytes alive] wherever that changes
     retained_input_bytes: int  # inputs a checkpoint keeps alive that would die before its backward
@@ -118,7 +124,9 @@ class Timeline:
     (``None`` outside the model), live bytes during the op (its inputs, outputs
     and internal scratch), of which gradients, its ms, and the bytes the op
     itself allocates (outputs and scratch: ``live - made`` is what was live
-    just before it ran)."""
+    just before it ran).  For forward ops, ``inputs`` lists the earlier events
+    whose results the op reads (producers and in-place writers of its inputs'
+    storages) and ``views`` marks ops that alias their input."""
 
     ops: list[str]
     phases: list[str]
@@ -127,6 +135,8 @@ class Timeline:
     grad_bytes: list[int]
     ms: list[float]
     made_bytes: list[int] = field(default_factory=list)
+    inputs: list[list[int]] = field(default_factory=list)
+    views: list[bool] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.ops)

@@ -280,3 +280,61 @@ def test_parameter_casts_are_never_saved():
     # autocast's cache holds the casts until the forward ends; after it the hook holds none
     assert before - after >= 2 * 512 * 512 * 2
     assert abs(after - plan.predicted_peak_bytes) <= 0.05 * after
+
+
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten ops that really execute (entered first, so it sits
+    beneath any mode a checkpoint enters later)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_counts(model, idx):
+    torch.manual_seed(7)
+    loss = model(idx).float().sum()
+    with _CountOps() as mode:
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return mode.counts
+
+
+def test_replay_computes_only_what_the_discarded_activations_need():
+    """The backward of a checkpointed model runs the unmodified backward's ops
+    plus exactly the ops the plan says its replays need: kept ops come from the
+    cache and dead ones (feeding only kept ops) are skipped."""
+    from collections import Counter
+
+    from autosac.solver.replay import ModuleReplay
+
+    torch.manual_seed(0)
+    model, idx = build_model("gpt2", device="cpu", batch=2, n_layer=2, dim=64, n_head=4, seq=64,
+                             vocab=256, dropout=0.1)
+    stats = autosac.profile(model, idx, target="a100")
+    plan = autosac.solve(stats, _budget_between(stats, 0.3))
+    assert plan.decisions and any(d.skip_ops for d in plan.details.values())
+    expected = Counter()
+    tl = stats.timeline
+    saved = {op.event: op for op in stats.saved_ops}
+    for fqn, d in plan.details.items():
+        start, end = stats.modules[fqn].fw_windows[0]
+        occ = {}
+        discarded = set()
+        for e in range(start, end):
+            key = (tl.ops[e], occ.setdefault(tl.ops[e], 0))
+            occ[tl.ops[e]] += 1
+            if e in saved and any(key == (o.op, o.occurrence) for o in d.ops):
+                discarded |= {e, *(w for w in saved[e].writer_events if w < end)}
+        expected.update(tl.ops[e] for e in ModuleReplay.of(stats, fqn).needed(discarded) if not tl.views[e])
+    applied = autosac.apply(copy.deepcopy(model), plan)
+    extra = Counter(_backward_counts(applied, idx))
+    extra.subtract(_backward_counts(model, idx))
+    compute = {op for op in expected} | {"addmm", "bmm", "mm", "_softmax", "masked_fill", "gelu", "mul", "add"}
+    got = {op: n for op, n in extra.items() if op in compute and n}
+    assert got == {op: n for op, n in expected.items() if n}, (got, dict(expected))

@@ -8,12 +8,11 @@ whole model, a saved-tensor hook keeps parameter casts from being saved.
 
 from __future__ import annotations
 
-import functools
 import types
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 from autosac.applier.casts import pack_cast, unpack_cast
 from autosac.applier.policy import ModulePolicy
@@ -133,12 +132,8 @@ def _checkpointed_forward(self, *args, **kwargs):
     policy: ModulePolicy = self._autosac_policy
     if policy.mismatched or not torch.is_grad_enabled():
         return original(*args, **kwargs)
-    fn, finished = policy.new_call()
-    out = checkpoint(
-        original, *args, use_reentrant=False, preserve_rng_state=True,
-        context_fn=functools.partial(create_selective_checkpoint_contexts, fn, allow_cache_entry_mutation=True),
-        **kwargs,
-    )
+    context_fn, finished = policy.new_call()
+    out = checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn, **kwargs)
     finished()
     return out
 

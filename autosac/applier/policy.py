@@ -3,14 +3,22 @@
 PyTorch asks the policy about every op call of the module's forward (once, in
 the forward; the recompute replays the answers).  Calls are matched to the plan
 by op name and occurrence, counted from the start of each forward call.
+
+In the recompute, calls the plan marks dead (nothing discarded needs their
+result; see :mod:`autosac.solver.replay`) are not computed: a dispatch mode
+beneath PyTorch's cache hands back an empty tensor of the recorded shape.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
-from torch.utils.checkpoint import CheckpointPolicy
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from autosac.plan import Decision
 
@@ -25,6 +33,7 @@ class ModulePolicy:
     fqn: str
     recompute: set[tuple[str, int]]
     save: set[tuple[str, int]]
+    skip: set[tuple[str, int]]
     op_counts: dict[str, int]
     mismatched: bool = False
     _warned: bool = field(default=False, repr=False)
@@ -37,12 +46,17 @@ class ModulePolicy:
             recompute.add((str(op.op), int(op.occurrence)))
             recompute.update((str(w[0]), int(w[1])) for w in op.writers)
         save = {(str(op), int(occ)) for op, occ in d.save_ops} - recompute
-        return cls(d.fqn, recompute, save, {str(k): int(v) for k, v in dict(d.op_counts).items()})
+        skip = {(str(op), int(occ)) for op, occ in d.skip_ops} - recompute - save
+        return cls(d.fqn, recompute, save, skip, {str(k): int(v) for k, v in dict(d.op_counts).items()})
 
-    def new_call(self):
-        """A fresh policy function for one forward call of the module."""
+    def new_call(self) -> tuple:
+        """For one forward call of the module: ``(context_fn, finished)`` --
+        the checkpoint's context pair, and what to call after the forward."""
         seen: dict[str, int] = {}
         state = {"off": self.mismatched}
+        # per op name, in forward order, one entry per call the recompute will
+        # run: the output's (shape, stride, dtype, device) where it may be skipped
+        replay: dict[str, deque] = defaultdict(deque)
 
         def policy(ctx, func, *args, **kwargs):
             name = func.overloadpacket.__name__
@@ -53,20 +67,25 @@ class ModulePolicy:
                 self._mismatch(f"an extra call of {name}")
             if state["off"]:
                 return CheckpointPolicy.MUST_SAVE
-            if (name, occ) in self.recompute:
-                return CheckpointPolicy.PREFER_RECOMPUTE
             if (name, occ) in self.save:
                 return CheckpointPolicy.MUST_SAVE
-            # views, parameter casts and ops whose outputs backward does not need:
-            # cheaper to re-run than to hold
+            # discarded calls, views, parameter casts and calls whose outputs
+            # backward does not need: cheaper to re-run (or skip) than to hold
+            dead = (name, occ) in self.skip and (name, occ) not in self.recompute
+            replay[name].append(tree_map(_shape_of, ctx.op_output) if dead else None)
             return CheckpointPolicy.PREFER_RECOMPUTE
+
+        def context_fn():
+            forward, recompute = create_selective_checkpoint_contexts(policy, allow_cache_entry_mutation=True)
+            return forward, _Beneath(_SkipDeadCalls(replay, state), recompute)
 
         def finished() -> None:
             expected = {k: v for k, v in self.op_counts.items() if k not in _UNSEEN}
             if not state["off"] and seen != expected:
+                state["off"] = True
                 self._mismatch("a different op sequence")
 
-        return policy, finished
+        return context_fn, finished
 
     def _mismatch(self, what: str) -> None:
         self.mismatched = True
@@ -78,3 +97,69 @@ class ModulePolicy:
                 stacklevel=4,
             )
 
+
+
+def _shape_of(x):
+    if isinstance(x, torch.Tensor):
+        return _Shape(tuple(x.shape), tuple(x.stride()), x.dtype, x.device)
+    return x
+
+
+@dataclass(frozen=True)
+class _Shape:
+    size: tuple
+    stride: tuple
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _empty_like_shape(x):
+    if isinstance(x, _Shape):
+        return torch.empty_strided(x.size, x.stride, dtype=x.dtype, device=x.device)
+    return x
+
+
+class _SkipDeadCalls(TorchDispatchMode):
+    """Runs beneath SAC's recompute mode, so it sees exactly the calls SAC
+    re-runs, in forward order; hands back empty outputs for the dead ones.
+    Never skips views, in-place or random ops, nor anything once the call's
+    op sequence was found to differ from the plan's."""
+
+    def __init__(self, replay: dict[str, deque], state: dict) -> None:
+        super().__init__()
+        self.replay = replay
+        self.state = state
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        queue = self.replay.get(func.overloadpacket.__name__)
+        shape = queue.popleft() if queue else None
+        if (
+            shape is None or self.state["off"] or func.is_view or func._schema.is_mutable
+            or torch.Tag.nondeterministic_seeded in func.tags
+        ):
+            return func(*args, **kwargs)
+        return tree_map(_empty_like_shape, shape)
+
+
+class _Beneath:
+    """Enter ``below`` first, so ``above`` (entered last) sees each op first."""
+
+    def __init__(self, below, above) -> None:
+        self.below, self.above = below, above
+
+    def __enter__(self):
+        self.below.__enter__()
+        try:
+            self.above.__enter__()
+        except BaseException:
+            self.below.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.above.__exit__(*exc)
+        finally:
+            self.below.__exit__(*exc)
+        return False

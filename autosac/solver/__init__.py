@@ -11,6 +11,7 @@ from autosac.solver.backends import BACKENDS, Solution
 from autosac.solver.chain import NotAChain, solve_chain
 from autosac.solver.milp import build_milp, decode, encode, milp_needs, with_objective_bound
 from autosac.solver.problem import Problem, build_problem
+from autosac.solver.replay import ModuleReplay, saved_inside
 from autosac.stats import ModelStats
 
 __all__ = ["solve", "solve_stats", "least_peak", "plan_from_decisions"]
@@ -235,15 +236,17 @@ def _make_plan(stats: ModelStats, problem: Problem, choice: dict[int, int], budg
         save = []
         for e in range(window[0], window[1]):
             op = saved_events.get(e)
-            if op is not None and e not in chosen and not op.param_cast and _saved_inside(op, cand.fqn):
+            if op is not None and e not in chosen and not op.param_cast and saved_inside(op.savers, cand.fqn):
                 save += [[tl.ops[x], occ[x]] for x in (e, *op.writer_events) if x < window[1]]
         counts: dict[str, int] = {}
         for e in range(window[0], window[1]):
             counts[tl.ops[e]] = counts.get(tl.ops[e], 0) + 1
+        discarded = {e for e in chosen for e in (e, *saved_events[e].writer_events) if e < window[1]}
+        skip = [[tl.ops[e], occ[e]] for e in ModuleReplay.of(stats, cand.fqn).dead(discarded, tl.ops)]
         details[cand.fqn] = Decision(
             fqn=cand.fqn, ratio=min(1.0, cand.discarded[k - 1] / cand.discardable_bytes),
             discard_bytes=cand.discarded[k - 1], discardable_bytes=cand.discardable_bytes,
-            recompute_ms=cand.ms[k - 1], ops=ops, save_ops=save, op_counts=counts,
+            recompute_ms=cand.ms[k - 1], ops=ops, save_ops=save, skip_ops=skip, op_counts=counts,
         )
     peak = problem.evaluate(choice)
     recompute = problem.recompute_ms(choice)
@@ -257,10 +260,6 @@ def _make_plan(stats: ModelStats, problem: Problem, choice: dict[int, int], budg
         decisions={f: d.ratio for f, d in details.items()}, details=details, solver=info,
         versions={"autosac": __version__, **{k: v for k, v in stats.versions.items() if k != "autosac"}},
     )
-
-
-def _saved_inside(op, fqn: str) -> bool:
-    return any(fqn == "" or s == fqn or s.startswith(fqn + ".") for s in op.savers)
 
 
 def _occurrences(ops: list[str], window: list[int]) -> dict[int, int]:

@@ -10,9 +10,9 @@ Memory model (bytes alive at each event of the step):
   from the end of its forward until its backward starts, when it recomputes
   them; while it recomputes, its forward's transient working memory is live.
 
-A choice ``k`` discards the first ``k`` saved ops in the cheapest-ms-per-byte
-order, so every choice is a real set of ops and the curve through the choices
-is the module's exact convex tradeoff curve (or a subset of its breakpoints).
+A choice ``k`` discards the first ``k`` saved ops in an order that adds the
+least replay time per byte at each step (:func:`autosac.solver.replay.order_items`),
+so every choice is a real set of ops, priced by exactly what its replay computes.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from autosac.solver.replay import ModuleReplay, order_items
 from autosac.stats import ModelStats
 
 
@@ -224,9 +225,17 @@ def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
         fw_end = m.fw_windows[0][1]
         if fw_end > m.bw_window[0]:
             continue
-        items = _discard_items(stats, m.saved_op_ids)
-        cum_b = np.cumsum([sum(stats.saved_ops[i].bytes for i in it) for it in items])
-        cum_t = np.cumsum([sum(stats.saved_ops[i].ms for i in it) for it in items])
+        rp = ModuleReplay.of(stats, fqn)
+
+        def events_of(item, end=fw_end):
+            return {e for i in item for e in (stats.saved_ops[i].event, *stats.saved_ops[i].writer_events) if e < end}
+
+        def bytes_of(item):
+            return sum(stats.saved_ops[i].bytes for i in item)
+
+        items, costs = order_items(rp, _discard_items(stats, m.saved_op_ids), events_of, bytes_of)
+        cum_b = np.cumsum([bytes_of(it) for it in items])
+        cum_t = np.asarray(costs)
         picks = _choice_indices(cum_b, cum_t, max_choices)
         hold = m.retained_input_bytes + stats.checkpoint_state_bytes
         # what the cache holds for kept ops is not saved either (conservatively
@@ -240,7 +249,7 @@ def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
             fqn=fqn, start=fw_end, end=m.bw_window[0], bw_end=m.bw_window[1],
             bytes=[net[j] for j in picks],
             discarded=[int(cum_b[j - 1]) for j in picks],
-            ms=[float(cum_t[j - 1]) + m.fixed_recompute_ms for j in picks],
+            ms=[float(cum_t[j - 1]) for j in picks],
             n_items=picks, items=items, discardable_bytes=int(cum_b[-1]), hold=hold,
             work=_recompute_extra(stats, m, items, picks),
         )

@@ -8,16 +8,10 @@ from collections import defaultdict
 
 import numpy as np
 
-from autosac.stats import ModelStats, ModuleStats, SavedOp, Timeline
+from autosac.stats import RANDOM_OPS, ModelStats, ModuleStats, SavedOp, Timeline
 from autosac.trace.recorder import StorageRecord, common_prefix
 from autosac.trace.step import TracedStep, stack_of
 from autosac.trace.tradeoff import exact_curve
-
-_RANDOM_OPS = {
-    "native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like",
-    "randint", "randint_like", "randperm", "normal", "normal_", "uniform_", "multinomial",
-    "exponential_", "geometric_", "cauchy_", "log_normal_", "random_",
-}
 
 
 def _live_timeline(storages: list[StorageRecord], n: int, kind: str | None = None) -> np.ndarray:
@@ -113,7 +107,7 @@ def aggregate(
         op = SavedOp(
             id=len(saved_ops), op=rec.ops[ev], module=stack[-1], scope=scope_stack[-1], event=ev,
             freed_event=max(r.freed for r in recs), bytes=nbytes, ms=sum(rec.ms[i] for i in chain),
-            random=any(rec.ops[i] in _RANDOM_OPS for i in chain), view=any(r.saved_as_view for r in recs),
+            random=any(rec.ops[i] in RANDOM_OPS for i in chain), view=any(r.saved_as_view for r in recs),
             inplace=bool(writers), param_cast=any(r.param_cast for r in recs), writer_events=writers,
             savers=sorted({st[-1] for r in recs for st in r.saver_stacks if st}),
         )
@@ -139,8 +133,6 @@ def aggregate(
     for ps in step.params.values():
         param_own[ps.module].append(ps)
     kept = _kept_events(rec, saved_ops, groups)
-    cast_events = {e for op in saved_ops if op.param_cast for e in (op.event, *op.writer_events)}
-    fixed_ms = _fixed_recompute_ms(rec, kept, cast_events)
     work, profiles, cache_holds = _recompute_work(rec, kept, bw_first)
 
     for fqn, mtype in step.module_types.items():
@@ -166,7 +158,7 @@ def aggregate(
             saved_bytes=own_saved.get(fqn, 0), saved_bytes_total=total_saved.get(fqn, 0),
             act_grad_bytes=act_grad, input_bytes=io[0], output_bytes=io[1],
             fw_ms=fw_ms.get(fqn, 0.0), bw_ms=bw_ms.get(fqn, 0.0),
-            fixed_recompute_ms=fixed_ms.get(fqn, 0.0), recompute_work_bytes=work.get(fqn, 0),
+            recompute_work_bytes=work.get(fqn, 0),
             recompute_profile=profiles.get(fqn, []),
             retained_input_bytes=sum(
                 rec.storages[i].nbytes for i in rec.input_storages.get(fqn, ())
@@ -200,6 +192,7 @@ def aggregate(
             live_bytes=[int(x) for x in live],
             grad_bytes=[int(x) for x in _live_timeline(rec.storages, n, "grad")], ms=list(rec.ms),
             made_bytes=[int(x) for x in made],
+            inputs=[rec.inputs.get(i, []) for i in range(n)], views=list(rec.views),
         ),
         unknown_flop_ops=sorted(rec.unknown_ops), versions=versions,
     )
@@ -274,17 +267,3 @@ def _recompute_work(rec, kept: dict[str, set[int]], bw_first: dict[str, int]):
                 profile.append([ev, cur])
         peaks[fqn], profiles[fqn] = best, profile
     return peaks, profiles, holds
-
-
-def _fixed_recompute_ms(rec, kept: dict[str, set[int]], cast_events: set[int]) -> dict[str, float]:
-    """Per module, the forward ms of ops that a recompute re-runs whatever the
-    discard ratio: ops it does not keep (views are free; parameter casts are
-    re-made by every plan and counted once, globally)."""
-    out: dict[str, float] = defaultdict(float)
-    for i, phase in enumerate(rec.phases):
-        if phase != "forward" or rec.views[i] or i in cast_events:
-            continue
-        for fqn in rec.stacks[i]:
-            if i not in kept.get(fqn, ()):
-                out[fqn] += rec.ms[i]
-    return out

@@ -54,6 +54,7 @@ class Recording:
     flops: list[int] = field(default_factory=list)
     views: list[bool] = field(default_factory=list)
     transient: dict[int, int] = field(default_factory=dict)  # event -> scratch bytes inside the op
+    inputs: dict[int, list[int]] = field(default_factory=dict)  # forward event -> events that made its inputs
     storages: list[StorageRecord] = field(default_factory=list)
     fw_windows: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     fw_pre_order: list[str] = field(default_factory=list)
@@ -205,18 +206,23 @@ class StepRecorder(TorchDispatchMode):
             phase, stack = self.phase, self._stack_t
         ms, flops = self.cost.op_ms(func, args, kwargs, out)
         view = is_view_op(func)
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        # ops like _unsafe_view return an alias without being view ops: treat
+        # them as views (a replay must run them for their consumers to see data)
+        alias = bool(outs) and not is_inplace_op(func) and all(self.index_of(t) is not None for t in outs)
         rec.ops.append(func.overloadpacket.__name__)
         rec.phases.append(phase)
         rec.stacks.append(stack)
         rec.ms.append(ms)
         rec.flops.append(flops)
-        rec.views.append(view)
+        rec.views.append(view or alias)
         scratch = transient_bytes(func, args)
         if scratch:
             rec.transient[idx] = scratch
 
+        if phase == "forward":
+            self._note_inputs(idx, args, kwargs)
         kind = "act" if phase == "forward" else "temp"
-        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         for t in outs:
             self.track(t, kind, created=idx, producer=idx)
         if phase == "forward" and is_inplace_op(func) and not view:
@@ -229,6 +235,19 @@ class StepRecorder(TorchDispatchMode):
             # grad_fn is attached above this dispatch level: resolve it at the next op
             self._pending.extend((weakref.ref(t), stack) for t in outs if t.is_floating_point())
         return out
+
+    def _note_inputs(self, idx: int, args, kwargs) -> None:
+        # the ops whose results this one reads: each input storage's producer
+        # and the in-place ops that wrote it so far (a replay must run them first)
+        deps: set[int] = set()
+        for a in tree_leaves((args, kwargs)):
+            if isinstance(a, torch.Tensor):
+                r = self.record_of(a)
+                if r is not None and r.producer >= 0:
+                    deps.add(r.producer)
+                    deps.update(r.writers)
+        if deps:
+            self.rec.inputs[idx] = sorted(deps)
 
     def _note_param_use(self, func, args, outs) -> None:
         name = func.overloadpacket.__name__
