@@ -1,9 +1,11 @@
 """Measure real training steps on this machine: peak tensor bytes and step time.
 
-The peak comes from an independent source, never from autosac's tracer: the
-PyTorch profiler's allocator events (every allocation and free the allocator
-made during one step), added to the bytes of the tensors alive when the step
-starts (parameters, buffers, optimizer state, inputs).
+The peak comes from an independent source, never from autosac's tracer.  On
+CPU: the PyTorch profiler's allocator events (every allocation and free the
+allocator made during one step), added to the bytes of the tensors alive when
+the step starts (parameters, buffers, optimizer state, inputs).  On CUDA:
+``torch.cuda.max_memory_allocated`` over one step (tensor bytes, not the
+caching allocator's reserve).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def measure(
     optimizer state) and one more under the profiler for the memory peak.
 
     Args:
-        model: a model with real weights on the local device (CPU here).
+        model: a model with real weights on the local device (CPU or one CUDA device).
         example_inputs: a tensor, tuple of args, or dict of kwargs.
         loss_fn: as in :func:`autosac.profile`.
         steps: timed steps; their median is ``step_ms``.
@@ -87,12 +89,23 @@ def measure(
             model.zero_grad(set_to_none=True)
         return value
 
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    cuda = device.type == "cuda"
     step()  # creates optimizer state: later steps are steady-state
     times = []
     for _ in range(steps):
+        if cuda:
+            torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         loss = step()
+        if cuda:
+            torch.cuda.synchronize(device)
         times.append((time.perf_counter() - t0) * 1e3)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        return Measurement(torch.cuda.max_memory_allocated(device), statistics.median(times), times, loss)
 
     alive = list(model.parameters()) + list(model.buffers()) + list(tree_leaves((args, kwargs)))
     if opt is not None:

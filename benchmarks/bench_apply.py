@@ -11,11 +11,13 @@ run so the ratios are measured side by side:
       torch._functorch.config.activation_memory_budget at the same fraction
   (e) no checkpointing
 
-Peaks come from the profiler's allocator events (autosac.measure), step times are
-medians of --steps steps.  Overhead is step time over (e)'s -- and for (d) also
+Peaks come from the profiler's allocator events (autosac.measure).  Step times
+are medians of --rounds steps, taken in turn across the methods of one budget
+(and an unmodified model among them), so drift on this shared machine hits all
+alike.  Overhead is step time over (e)'s in the same group -- and for (d) also
 over its own unbudgeted compiled step, since its decomposed ops run slower here.
 
-    python benchmarks/bench_apply.py [--steps 3] [--skip-compile] [--skip-torch-sac]
+    python benchmarks/bench_apply.py [--rounds 3] [--skip-compile] [--skip-torch-sac] [--fracs 0.5]
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import statistics
 import time
 import warnings
 
@@ -30,6 +33,7 @@ import torch
 
 import autosac
 from autosac.models import build_model
+from autosac.optim import make_optimizer
 from autosac.solver import least_peak, plan_from_decisions
 from autosac.solver.problem import build_problem
 
@@ -111,23 +115,63 @@ def compiled(model, frac: float):
     return torch.compile(model, backend="aot_eager_decomp_partition")
 
 
-def run(label, budget, model, idx, steps, rows, plan=None, reference=None):
-    t0 = time.perf_counter()
-    m = autosac.measure(model, idx, steps=steps)
-    row = dict(method=label, budget=budget, peak=m.peak_bytes, ms=m.step_ms, wall=time.perf_counter() - t0)
-    if plan is not None:
-        row.update(pred_peak=plan.predicted_peak_bytes, pred_ms=plan.step_ms)
-    if reference is not None:
-        row["ref_ms"] = reference
-    rows.append(row)
-    print(f"  {label:<14} budget {budget / MIB if budget else float('nan'):8.1f} MiB  peak {m.peak_bytes / MIB:8.1f} MiB"
-          f"  step {m.step_ms:8.1f} ms", flush=True)
-    return m
+class Stepper:
+    """One method's model with its own AdamW, stepped one training step at a time."""
+
+    def __init__(self, label, model, budget=None, plan=None, reference=None):
+        self.label, self.model, self.budget, self.plan, self.reference = label, model, budget, plan, reference
+        self.opt = make_optimizer("adamw", list(model.parameters()))
+        self.times: list[float] = []
+        self.peak = 0
+
+    def step(self, idx) -> None:
+        t0 = time.perf_counter()
+        self.model(idx).float().sum().backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.times.append((time.perf_counter() - t0) * 1e3)
+
+    @property
+    def ms(self) -> float:
+        return statistics.median(self.times)
+
+
+def run_group(steppers, base, idx, rounds, rows, title):
+    """Peak of each method (profiler allocator events), then ``rounds`` rounds
+    of one step per method in turn, each round opened by an unmodified step
+    and the last one closed by one.  A method's overhead is the median over
+    rounds of its step over the mean of the two unmodified steps around it:
+    this shared machine drifts by 10-20% over tens of seconds, which such
+    adjacent ratios cancel."""
+    print(title, flush=True)
+    none = Stepper("(e) none", base())
+    for s in [none, *steppers]:
+        s.peak = autosac.measure(s.model, idx, steps=1).peak_bytes
+        s.step(idx)  # this stepper's own warm-up (optimizer state)
+        s.times.clear()
+    for _ in range(rounds):
+        none.step(idx)
+        for s in steppers:
+            s.step(idx)
+    none.step(idx)
+    for s in [none, *steppers]:
+        ratios = [t / ((none.times[r] + none.times[r + 1]) / 2) for r, t in enumerate(s.times[:rounds])]
+        row = dict(method=s.label, budget=s.budget, peak=s.peak, ms=s.ms, base_ms=none.ms,
+                   overhead=statistics.median(ratios) - 1, spread=max(ratios) - min(ratios))
+        if s.plan is not None:
+            row.update(pred_peak=s.plan.predicted_peak_bytes, pred_ms=s.plan.step_ms)
+        if s.reference is not None:
+            row["ref"] = s.reference.label
+            row["vs_ref"] = s.ms / s.reference.ms - 1
+        rows.append(row)
+        b = f"{s.budget / MIB:8.1f}" if s.budget else "       -"
+        print(f"  {s.label:<14} budget {b} MiB  peak {s.peak / MIB:8.1f} MiB  step {s.ms:8.1f} ms "
+              f"overhead {row['overhead']:+6.1%} (steps {', '.join(f'{t:.0f}' for t in s.times)})", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="timed steps per method, interleaved")
     ap.add_argument("--skip-compile", action="store_true")
     ap.add_argument("--skip-torch-sac", action="store_true")
     ap.add_argument("--fracs", default=None, help="budgets as fractions of the peak, e.g. 0.5,0.7")
@@ -148,46 +192,45 @@ def main() -> None:
           f"({low / peak:.1%}), predicted step {stats.step_ms:.0f} ms\n")
 
     rows: list[dict] = []
-    # the unmodified step is measured again after every budget: this machine is
-    # shared, and the spread of these runs is the noise floor of every ratio below
-    nones = [run("(e) none", None, copy.deepcopy(base_model), idx, args.steps, rows)]
-    run("(b) full AC", None, full_ac(copy.deepcopy(base_model)), idx, args.steps, rows)
+    def fresh():
+        return copy.deepcopy(base_model)
+
+    group = [Stepper("(b) full AC", full_ac(fresh()))]
+    compile_ref = None
     if not args.skip_compile:
-        c_ref = run("(d) compile", None, compiled(copy.deepcopy(base_model), 1.0), idx, args.steps, rows)
+        compile_ref = Stepper("(d) compile", compiled(copy.deepcopy(base_model), 1.0))
+        group.append(compile_ref)
+    run_group(group, fresh, idx, args.rounds, rows, "no budget")
     for frac in fracs:
         budget = int(frac * peak)
-        print(f"budget {frac:.1%} of the peak")
         plan = autosac.solve(stats, budget)
-        run("(a) autosac", budget, autosac.apply(copy.deepcopy(base_model), plan), idx, args.steps, rows, plan=plan)
+        group = [Stepper("(a) autosac", autosac.apply(copy.deepcopy(base_model), plan), budget, plan)]
         if not args.skip_torch_sac:
             try:
                 decisions = torch_sac_decisions(frac)
                 usable = {k: v for k, v in decisions.items() if k in {c.fqn for c in problem.candidates}}
                 tplan = plan_from_decisions(stats, usable, budget)
-                run("(c) torch sac", budget, autosac.apply(copy.deepcopy(base_model), tplan), idx, args.steps, rows,
-                    plan=tplan)
+                group.append(Stepper("(c) torch sac", autosac.apply(copy.deepcopy(base_model), tplan), budget, tplan))
             except Exception as e:  # noqa: BLE001 - report, do not invent numbers
                 print(f"  (c) torch sac    failed: {type(e).__name__}: {str(e)[:120]}")
         if not args.skip_compile:
-            run("(d) compile", budget, compiled(copy.deepcopy(base_model), frac), idx, args.steps, rows,
-                reference=c_ref.step_ms)
-        nones.append(run("(e) none", None, copy.deepcopy(base_model), idx, args.steps, rows))
-    none_ms = sorted(m.step_ms for m in nones)
-    base_ms = none_ms[len(none_ms) // 2]
-    print(f"\nunmodified step over {len(none_ms)} runs: median {base_ms:.0f} ms, "
-          f"min {none_ms[0]:.0f}, max {none_ms[-1]:.0f} (noise {none_ms[-1] / none_ms[0] - 1:+.1%})")
+            group.append(Stepper("(d) compile", compiled(copy.deepcopy(base_model), frac), budget,
+                                 reference=compile_ref))
+        run_group(group, fresh, idx, args.rounds, rows, f"budget {frac:.1%} of the peak")
 
-    print("method          budget   measured peak  <=budget  step ms  overhead  vs own   pred peak err  pred step err")
+    print("\noverhead: median over rounds of step / mean of the unmodified steps just before and after it;")
+    print("spread: max - min of those ratios; vs own: (d)'s step over its unbudgeted compiled step")
+    print("method          budget   measured peak  <=budget  step ms  overhead  spread  vs own  pred peak err"
+          "  pred step err")
     for r in rows:
         b = r["budget"]
-        over = r["ms"] / base_ms - 1
-        own = f"{r['ms'] / r['ref_ms'] - 1:+7.1%}" if "ref_ms" in r else "      -"
+        own = f"{r['vs_ref']:+7.1%}" if "vs_ref" in r else "      -"
         ok = "-" if b is None else ("yes" if r["peak"] <= b else "NO")
         pe = f"{(r['pred_peak'] - r['peak']) / r['peak']:+13.1%}" if "pred_peak" in r else f"{'-':>13}"
         se = f"{(r['pred_ms'] - r['ms']) / r['ms']:+13.1%}" if "pred_ms" in r else f"{'-':>13}"
         bstr = f"{b / peak:6.1%}" if b else "     -"
-        print(f"{r['method']:<14} {bstr}  {r['peak'] / MIB:10.1f} MiB  {ok:>8}  {r['ms']:7.0f}  {over:+8.1%}  {own}  {pe}  {se}")
-
+        print(f"{r['method']:<14} {bstr}  {r['peak'] / MIB:10.1f} MiB  {ok:>8}  {r['ms']:7.0f}  {r['overhead']:+8.1%}"
+              f"  {r['spread']:6.1%}  {own}  {pe}  {se}")
 
 if __name__ == "__main__":
     main()
