@@ -38,21 +38,28 @@ from autosac.solver import least_peak, plan_from_decisions
 from autosac.solver.problem import build_problem
 
 MIB = 2**20
-CFG = dict(n_layer=6, dim=512, n_head=8, seq=512, vocab=8192, dropout=0.1)
+# --model gpt2 (the default: attention written out, dropout 0.1) or llama
+# (SDPA attention, no dropout), at the same width, depth and sequence
+MODELS = {
+    "gpt2": dict(n_layer=6, dim=512, n_head=8, seq=512, vocab=8192, dropout=0.1),
+    "llama-tiny": dict(n_layer=6, dim=512, n_head=8, n_kv_head=8, ffn_hidden=1376, seq=512, vocab=8192),
+}
+NAME = "gpt2"
+CFG = MODELS[NAME]
 BATCH = 8
 
 
 def build():
     torch.manual_seed(0)
-    return build_model("gpt2", device="cpu", batch=BATCH, **CFG)
+    return build_model(NAME, device="cpu", batch=BATCH, **CFG)
 
 
 def full_ac(model):
     from torch.utils.checkpoint import checkpoint
 
-    for block in model.blocks:
+    for block in getattr(model, "blocks", None) or model.layers:
         inner = type(block).forward.__get__(block)
-        block.forward = lambda x, inner=inner: checkpoint(inner, x, use_reentrant=False)
+        block.forward = lambda *a, inner=inner, **kw: checkpoint(inner, *a, use_reentrant=False, **kw)
     return model
 
 
@@ -76,7 +83,7 @@ def torch_sac_decisions(frac: float) -> dict[str, float]:
     try:
         torch.cuda.is_available = lambda: True
         with FakeTensorMode():
-            model, idx = build_model("gpt2", device="cpu", batch=BATCH, **CFG)
+            model, idx = build_model(NAME, device="cpu", batch=BATCH, **CFG)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
 
             def step():
@@ -175,7 +182,10 @@ def main() -> None:
     ap.add_argument("--skip-compile", action="store_true")
     ap.add_argument("--skip-torch-sac", action="store_true")
     ap.add_argument("--fracs", default=None, help="budgets as fractions of the peak, e.g. 0.5,0.7")
+    ap.add_argument("--model", choices=sorted(MODELS), default="gpt2")
     args = ap.parse_args()
+    global NAME, CFG
+    NAME, CFG = args.model, MODELS[args.model]
     warnings.simplefilter("ignore")
     torch.set_num_threads(2)
 
@@ -188,7 +198,7 @@ def main() -> None:
     fracs = [f for f in fracs if f * peak >= low]
     if args.fracs:
         fracs = [float(f) for f in args.fracs.split(",")]
-    print(f"GPT {CFG}, batch {BATCH}: traced peak {peak / MIB:.1f} MiB, least feasible {low / MIB:.1f} MiB "
+    print(f"{NAME} {CFG}, batch {BATCH}: traced peak {peak / MIB:.1f} MiB, least feasible {low / MIB:.1f} MiB "
           f"({low / peak:.1%}), predicted step {stats.step_ms:.0f} ms\n")
 
     rows: list[dict] = []
