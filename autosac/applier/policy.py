@@ -11,6 +11,7 @@ beneath PyTorch's cache hands back an empty tensor of the recorded shape.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
@@ -71,13 +72,12 @@ class ModulePolicy:
                 return CheckpointPolicy.MUST_SAVE
             # discarded calls, views, parameter casts and calls whose outputs
             # backward does not need: cheaper to re-run (or skip) than to hold
-            dead = (name, occ) in self.skip and (name, occ) not in self.recompute
-            replay[name].append(tree_map(_shape_of, ctx.op_output) if dead else None)
+            replay[name].append(tree_map(_shape_of, ctx.op_output) if (name, occ) in self.skip else None)
             return CheckpointPolicy.PREFER_RECOMPUTE
 
         def context_fn():
             forward, recompute = create_selective_checkpoint_contexts(policy, allow_cache_entry_mutation=True)
-            return forward, _Beneath(_SkipDeadCalls(replay, state), recompute)
+            return forward, _beneath(_SkipDeadCalls(replay, state), recompute)
 
         def finished() -> None:
             expected = {k: v for k, v in self.op_counts.items() if k not in _UNSEEN}
@@ -96,7 +96,6 @@ class ModulePolicy:
                 "it is no longer checkpointed by the plan",
                 stacklevel=4,
             )
-
 
 
 def _shape_of(x):
@@ -142,24 +141,8 @@ class _SkipDeadCalls(TorchDispatchMode):
         return tree_map(_empty_like_shape, shape)
 
 
-class _Beneath:
+@contextlib.contextmanager
+def _beneath(below, above):
     """Enter ``below`` first, so ``above`` (entered last) sees each op first."""
-
-    def __init__(self, below, above) -> None:
-        self.below, self.above = below, above
-
-    def __enter__(self):
-        self.below.__enter__()
-        try:
-            self.above.__enter__()
-        except BaseException:
-            self.below.__exit__(None, None, None)
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        try:
-            self.above.__exit__(*exc)
-        finally:
-            self.below.__exit__(*exc)
-        return False
+    with below, above:
+        yield

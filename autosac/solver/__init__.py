@@ -241,8 +241,9 @@ def _make_plan(stats: ModelStats, problem: Problem, choice: dict[int, int], budg
         counts: dict[str, int] = {}
         for e in range(window[0], window[1]):
             counts[tl.ops[e]] = counts.get(tl.ops[e], 0) + 1
-        discarded = {e for e in chosen for e in (e, *saved_events[e].writer_events) if e < window[1]}
-        skip = [[tl.ops[e], occ[e]] for e in ModuleReplay.of(stats, cand.fqn).dead(discarded, tl.ops)]
+        replay = ModuleReplay.of(stats, cand.fqn)
+        discarded = replay.events(i for item in cand.items[: cand.n_items[k - 1]] for i in item)
+        skip = [[tl.ops[e], occ[e]] for e in replay.dead(discarded, tl.ops)]
         details[cand.fqn] = Decision(
             fqn=cand.fqn, ratio=min(1.0, cand.discarded[k - 1] / cand.discardable_bytes),
             discard_bytes=cand.discarded[k - 1], discardable_bytes=cand.discardable_bytes,

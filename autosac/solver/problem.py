@@ -158,7 +158,8 @@ def bits(mask: int):
 
 
 def _discard_items(stats: ModelStats, op_ids: list[int]) -> list[list[int]]:
-    """Saved ops in the order a module discards them, cheapest ms per byte first.
+    """A module's saved ops as discard items, cheapest ms per byte first (the
+    starting order; :func:`order_items` settles the final one).
 
     Random ops form one item: a recompute replays the RNG from the start of the
     module, so it can only reproduce a random op if every random op before it is
@@ -225,16 +226,8 @@ def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
         fw_end = m.fw_windows[0][1]
         if fw_end > m.bw_window[0]:
             continue
-        rp = ModuleReplay.of(stats, fqn)
-
-        def events_of(item, end=fw_end):
-            return {e for i in item for e in (stats.saved_ops[i].event, *stats.saved_ops[i].writer_events) if e < end}
-
-        def bytes_of(item):
-            return sum(stats.saved_ops[i].bytes for i in item)
-
-        items, costs = order_items(rp, _discard_items(stats, m.saved_op_ids), events_of, bytes_of)
-        cum_b = np.cumsum([bytes_of(it) for it in items])
+        items, costs = order_items(ModuleReplay.of(stats, fqn), _discard_items(stats, m.saved_op_ids))
+        cum_b = np.cumsum([sum(stats.saved_ops[i].bytes for i in it) for it in items])
         cum_t = np.asarray(costs)
         picks = _choice_indices(cum_b, cum_t, max_choices)
         hold = m.retained_input_bytes + stats.checkpoint_state_bytes

@@ -18,9 +18,10 @@ cost nothing and must alias their base).
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
-from autosac.stats import RANDOM_OPS, ModelStats
+from autosac.stats import RANDOM_OPS, ModelStats, SavedOp
 
 
 def saved_inside(savers: list[str], fqn: str) -> bool:
@@ -39,6 +40,7 @@ class ModuleReplay:
     inputs: list[list[int]]
     ms: list[float]
     free: frozenset[int]  # views and parameter casts: no replay cost here
+    saved_ops: list[SavedOp]
 
     @classmethod
     def of(cls, stats: ModelStats, fqn: str) -> ModuleReplay:
@@ -46,13 +48,14 @@ class ModuleReplay:
         tl = stats.timeline
         kept: set[int] = set()
         casts: set[int] = set()
-        for op in stats.saved_ops:
-            if start <= op.event < end:
-                chain = (op.event, *op.writer_events)
-                if op.param_cast:
-                    casts.update(chain)
-                elif saved_inside(op.savers, fqn):
-                    kept.update(e for e in chain if e < end)
+        # saved ops are in event order: only the window's are read
+        events = [op.event for op in stats.saved_ops]
+        for op in stats.saved_ops[bisect.bisect_left(events, start) : bisect.bisect_left(events, end)]:
+            chain = (op.event, *op.writer_events)
+            if op.param_cast:
+                casts.update(chain)
+            elif saved_inside(op.savers, fqn):
+                kept.update(e for e in chain if e < end)
         views = tl.views or [False] * len(tl)
         forced = {
             e for e in range(start, end)
@@ -60,7 +63,13 @@ class ModuleReplay:
         }
         free = {e for e in range(start, end) if views[e]} | casts
         inputs = tl.inputs or [[] for _ in range(len(tl))]
-        return cls(start, end, frozenset(kept), frozenset(forced), inputs, tl.ms, frozenset(free))
+        return cls(start, end, frozenset(kept), frozenset(forced), inputs, tl.ms, frozenset(free), stats.saved_ops)
+
+    def events(self, op_ids) -> set[int]:
+        """The window's events of saved ops ``op_ids``: each op and its in-place writers."""
+        return {
+            e for i in op_ids for e in (self.saved_ops[i].event, *self.saved_ops[i].writer_events) if e < self.end
+        }
 
     def roots(self, discarded: set[int]) -> set[int]:
         return set(discarded) | {e for e in self.forced if e not in self.kept or e in discarded}
@@ -100,7 +109,7 @@ class ModuleReplay:
         ]
 
 
-def order_items(rp: ModuleReplay, items: list[list[int]], events_of, bytes_of) -> tuple[list[list[int]], list[float]]:
+def order_items(rp: ModuleReplay, items: list[list[int]]) -> tuple[list[list[int]], list[float]]:
     """Order discard items so each prefix is a good choice, and give each
     prefix's exact replay ms.
 
@@ -108,6 +117,10 @@ def order_items(rp: ModuleReplay, items: list[list[int]], events_of, bytes_of) -
     with items already chosen), for modules with up to 200 items; larger ones
     are ordered once by each item's replay ms alone per byte.
     """
+    def bytes_of(item: list[int]) -> int:
+        return sum(rp.saved_ops[i].bytes for i in item)
+
+    events_of = rp.events
     discarded: set[int] = set()
     have = rp.closure(rp.roots(set()), set())
     remaining = list(range(len(items)))
