@@ -3,11 +3,10 @@
 Pipeline: :func:`profile` (trace) -> :class:`ModelStats` -> solve -> Plan -> apply.
 """
 
-__version__ = "0.1.0"
-
-from autosac.applier import apply, unapply  # noqa: E402
-from autosac.devices import DEVICES, DeviceSpec  # noqa: E402
-from autosac.errors import (  # noqa: E402
+from autosac.api import solve
+from autosac.applier import apply, unapply
+from autosac.devices import DEVICES, DeviceSpec
+from autosac.errors import (
     InfeasibleBudgetError,
     NothingToCheckpointError,
     PlanMismatchError,
@@ -15,13 +14,14 @@ from autosac.errors import (  # noqa: E402
     StatsFormatError,
     TraceError,
 )
-from autosac.measure import Measurement, measure  # noqa: E402
-from autosac.plan import Plan  # noqa: E402
-from autosac.solver import solve  # noqa: E402
-from autosac.stats import ModelStats  # noqa: E402
-from autosac.trace import profile  # noqa: E402
+from autosac.measure import Measurement, measure
+from autosac.plan import Plan
+from autosac.stats import ModelStats
+from autosac.trace import profile
+from autosac.version import __version__
 
 __all__ = [
+    "__version__",
     "DEVICES",
     "DeviceSpec",
     "InfeasibleBudgetError",

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from autosac.optim import OptimizerSpec, default_loss, make_optimizer, split_inputs
+from autosac.inputs import split_inputs
+from autosac.optim import OptimizerSpec, default_loss, make_optimizer
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Optimizers by name, shared by the tracer and the real-step measurement so
+"""Optimizers by name and the default loss, shared by the tracer and the real-step measurement so
 both run exactly the same update."""
 
 from __future__ import annotations
@@ -41,15 +41,6 @@ def optimizer_name(spec: OptimizerSpec) -> str:
     if spec is None:
         return "none"
     return spec.lower() if isinstance(spec, str) else getattr(spec, "__name__", "custom")
-
-
-def split_inputs(example_inputs) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` from a tensor, a tuple/list of positional args, or a dict of kwargs."""
-    if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), {}
-    return (example_inputs,), {}
 
 
 def default_loss(output) -> torch.Tensor:

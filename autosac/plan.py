@@ -9,32 +9,39 @@ from pathlib import Path
 
 from autosac.errors import StatsFormatError
 
-PLAN_FORMAT = 2
+PLAN_FORMAT = 3
 
 
 @dataclass
 class RecomputeOp:
-    """One op call a decision recomputes, matched at run time by ``op`` name and
-    ``occurrence`` (0-based count of earlier calls of that op) inside the decided
-    module's forward.  ``writers`` are in-place ops on its output that recompute with it."""
+    """One op call a decision discards and recomputes: ``call`` indexes
+    :attr:`Decision.calls`, ``occurrence`` counts earlier calls of the same op
+    in the module's forward (for display); ``writers`` are the calls that wrote
+    its output in place, recomputed with it."""
 
     op: str
+    call: int
     occurrence: int
     bytes: int
     ms: float
     random: bool = False
-    writers: list[list] = field(default_factory=list)  # [[op, occurrence], ...]
+    writers: list[int] = field(default_factory=list)
 
 
 @dataclass
 class Decision:
-    """One checkpointed module.  At run time its selective-checkpoint policy
-    recomputes ``ops`` (and their in-place writers), keeps ``save_ops`` (other
-    op calls with an output saved inside the module), and re-runs everything
-    else (views, parameter casts, ops whose outputs it does not save) -- except
-    ``skip_ops``, which nothing recomputed needs: the replay does not compute
-    them.  ``op_counts`` is the traced number of calls per op: a forward that
-    differs is detected."""
+    """One checkpointed module.
+
+    ``calls`` is the module's traced forward, one ``[op name, [calls it
+    reads]]`` per op call PyTorch's checkpointing shows a policy (dataflow as
+    :mod:`autosac.dataflow` defines it).  At run time each call is matched by
+    position: the policy keeps (caches) the ``save`` calls -- those with an
+    output saved inside the module -- and recomputes every other one: the
+    discarded ``ops`` and their writers, views, parameter casts, ops whose
+    outputs nothing inside saves.  Of those, the ``skip`` calls feed nothing the
+    replay needs: it does not compute them.  A forward whose op sequence or
+    dataflow differs from ``calls`` is handled per call (see the applier).
+    """
 
     fqn: str
     ratio: float  # discarded / discardable activation bytes, in (0, 1]
@@ -42,9 +49,9 @@ class Decision:
     discardable_bytes: int
     recompute_ms: float
     ops: list[RecomputeOp]
-    save_ops: list[list] = field(default_factory=list)  # [[op, occurrence], ...]
-    skip_ops: list[list] = field(default_factory=list)  # [[op, occurrence], ...]
-    op_counts: dict[str, int] = field(default_factory=dict)
+    calls: list[list] = field(default_factory=list)  # [[op, [reads...]], ...]
+    save: list[int] = field(default_factory=list)
+    skip: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -77,6 +84,7 @@ class Plan:
     details: dict[str, Decision]
     solver: dict
     versions: dict[str, str]
+    input_shapes: list[list] = field(default_factory=list)  # [[where, shape, dtype]] it was made for
     format: int = PLAN_FORMAT
 
     @property

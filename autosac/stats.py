@@ -12,15 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from autosac.errors import StatsFormatError
 
-STATS_FORMAT = 2
-
-# aten op names that draw from the RNG (a replay must re-run them in order)
-RANDOM_OPS = frozenset({
-    "native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like",
-    "randint", "randint_like", "randperm", "normal", "normal_", "uniform_", "multinomial",
-    "exponential_", "geometric_", "cauchy_", "log_normal_", "random_",
-})
-
+STATS_FORMAT = 3
 
 @dataclass
 class SavedOp:
@@ -126,7 +118,9 @@ class Timeline:
     itself allocates (outputs and scratch: ``live - made`` is what was live
     just before it ran).  For forward ops, ``inputs`` lists the earlier events
     whose results the op reads (producers and in-place writers of its inputs'
-    storages) and ``views`` marks ops that alias their input."""
+    storages, as :mod:`autosac.dataflow` defines them); ``views`` marks ops
+    that alias their input, ``random`` ops that draw from the RNG and
+    ``writes`` ops that write an input in place (:mod:`autosac.opkinds`)."""
 
     ops: list[str]
     phases: list[str]
@@ -137,6 +131,8 @@ class Timeline:
     made_bytes: list[int] = field(default_factory=list)
     inputs: list[list[int]] = field(default_factory=list)
     views: list[bool] = field(default_factory=list)
+    random: list[bool] = field(default_factory=list)
+    writes: list[bool] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -180,6 +176,7 @@ class ModelStats:
     timeline: Timeline
     unknown_flop_ops: list[str]
     versions: dict[str, str]
+    input_shapes: list[list] = field(default_factory=list)  # autosac.inputs.input_signature of the traced step
     checkpoint_state_bytes: int = 0  # what each checkpoint call keeps besides inputs: the saved RNG state
     format: int = STATS_FORMAT
 

@@ -2,8 +2,11 @@
 
 Each decided module's forward runs under ``torch.utils.checkpoint`` (non-reentrant)
 with a selective-checkpoint policy that recomputes exactly the planned op calls;
-RNG state is preserved, so recomputed dropout draws the same mask.  Around the
-whole model, a saved-tensor hook keeps parameter casts from being saved.
+RNG state is preserved, so recomputed dropout draws the same mask, and
+recomputation never updates buffers or Python state twice
+(:mod:`autosac.applier.region`).  Around the whole model, a saved-tensor hook
+keeps parameter casts from being saved, and a run with other input shapes
+than the plan's is warned about.
 """
 
 from __future__ import annotations
@@ -15,14 +18,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from autosac.applier.casts import pack_cast, unpack_cast
-from autosac.applier.policy import ModulePolicy
+from autosac.applier.region import RegionPolicy, warn_user
 from autosac.errors import PlanMismatchError, StatsFormatError
 from autosac.fingerprint import model_fingerprint
+from autosac.inputs import format_signature, input_signature
+from autosac.marks import APPLIED, POLICY
 from autosac.plan import Plan
 
 __all__ = ["apply", "unapply"]
 
-_STATE = "_autosac_state"
 
 
 def apply(model: nn.Module, plan: Plan) -> nn.Module:
@@ -72,16 +76,16 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
             f"({found}): module tree or parameter shapes differ -- re-plan for this model"
         )
     try:
-        policies = {fqn: ModulePolicy.from_decision(plan.details[fqn]) for fqn in modules}
+        policies = {fqn: RegionPolicy.from_decision(plan.details[fqn]) for fqn in modules}
     except (TypeError, ValueError, IndexError) as e:
         raise StatsFormatError(f"malformed plan: {e}") from None
     unapply(model)
     for fqn, mod in modules.items():
         mod.forward = types.MethodType(_checkpointed_forward, mod)
-        mod._autosac_policy = policies[fqn]
-    model.register_forward_pre_hook(_enter_cast_hooks)
-    model.register_forward_hook(_exit_cast_hooks, always_call=True)
-    setattr(model, _STATE, {"plan": plan})
+        setattr(mod, POLICY, policies[fqn])
+    model.register_forward_pre_hook(_enter_model, with_kwargs=True)
+    model.register_forward_hook(_exit_model, always_call=True)
+    setattr(model, APPLIED, {"plan": plan, "warned_shapes": set()})
     return model
 
 
@@ -94,22 +98,27 @@ def unapply(model: nn.Module) -> nn.Module:
     Returns:
         The same ``model``, with its modules' own forwards and no autosac hooks.
 
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+
     Example::
 
         >>> autosac.unapply(model)   # plain forward again
     """
-    state = model.__dict__.pop(_STATE, None)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"unapply needs an nn.Module, got {type(model).__name__}")
+    state = model.__dict__.pop(APPLIED, None)
     if state is None:
         return model
     # found by identity rather than through handles, which a deepcopy would share
     for table in (model._forward_pre_hooks, model._forward_hooks):
-        for key in [k for k, fn in table.items() if fn in (_enter_cast_hooks, _exit_cast_hooks)]:
+        for key in [k for k, fn in table.items() if fn in (_enter_model, _exit_model)]:
             del table[key]
             model._forward_hooks_always_called.pop(key, None)
     for mod in model.modules():
-        if "_autosac_policy" in mod.__dict__:
+        if POLICY in mod.__dict__:
             mod.__dict__.pop("forward", None)
-            mod.__dict__.pop("_autosac_policy", None)
+            mod.__dict__.pop(POLICY, None)
     return model
 
 
@@ -121,30 +130,52 @@ def applied_plan(model: nn.Module) -> Plan | None:
         >>> autosac.applier.applied_plan(model) is None
         True
     """
-    state = model.__dict__.get(_STATE)
+    state = model.__dict__.get(APPLIED)
     return None if state is None else state["plan"]
 
 
+@torch.compiler.disable
 def _checkpointed_forward(self, *args, **kwargs):
     # Looked up on ``self`` at call time, so a deepcopy of the model checkpoints
-    # its own weights with its own policy.
+    # its own weights with its own policy.  Under torch.compile the module runs
+    # eagerly (a graph break), so the plan holds.
     original = type(self).forward.__get__(self)
-    policy: ModulePolicy = self._autosac_policy
-    if policy.mismatched or not torch.is_grad_enabled():
+    if not torch.is_grad_enabled():
         return original(*args, **kwargs)
-    context_fn, finished = policy.new_call()
-    out = checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn, **kwargs)
-    finished()
+    call = getattr(self, POLICY).start(self, args, kwargs)
+    # keyword arguments are bound by the wrapper, never passed to checkpoint,
+    # so a forward's own ``context_fn=`` or ``debug=`` cannot clash with checkpoint's
+    out = checkpoint(call.wrap(original, args, kwargs), *args, use_reentrant=False, preserve_rng_state=True,
+                     context_fn=call.contexts)
+    call.finish()
     return out
 
 
-def _enter_cast_hooks(module, args):
+@torch.compiler.disable
+def _enter_model(module, args, kwargs):
+    state = module.__dict__.get(APPLIED)
+    if state is not None and state["plan"].input_shapes:
+        _check_shapes(state, input_signature(args, kwargs))
     ctx = torch.autograd.graph.saved_tensors_hooks(pack_cast, unpack_cast)
     ctx.__enter__()
     module.__dict__.setdefault("_autosac_cast_ctx", []).append(ctx)
 
 
-def _exit_cast_hooks(module, args, output):
+@torch.compiler.disable
+def _exit_model(module, args, output):
     stack = module.__dict__.get("_autosac_cast_ctx")
     if stack:
         stack.pop().__exit__(None, None, None)
+
+
+def _check_shapes(state: dict, found: list) -> None:
+    plan = state["plan"]
+    key = repr(found)
+    if found == plan.input_shapes or key in state["warned_shapes"]:
+        return
+    state["warned_shapes"].add(key)
+    warn_user(
+        f"autosac: the plan for {plan.model} was made for inputs {format_signature(plan.input_shapes)}, "
+        f"but the model now runs {format_signature(found)}: its predicted peak and budget hold only for "
+        "the traced shapes -- re-plan with these inputs (autosac.solve(model, budget, example_inputs=...))"
+    )

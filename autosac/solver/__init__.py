@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 
 from autosac.budget import format_bytes, parse_budget
+from autosac.dataflow import local_calls
 from autosac.errors import InfeasibleBudgetError, SolveTimeoutError
+from autosac.opkinds import SAC_IGNORED_NAMES
 from autosac.plan import Decision, Plan, RecomputeOp
 from autosac.solver.backends import BACKENDS, Solution
 from autosac.solver.chain import NotAChain, solve_chain
@@ -14,69 +16,32 @@ from autosac.solver.problem import Problem, build_problem
 from autosac.solver.replay import ModuleReplay, saved_inside
 from autosac.stats import ModelStats
 
-__all__ = ["solve", "solve_stats", "least_peak", "plan_from_decisions"]
+__all__ = ["solve_budget", "solve_stats", "least_peak", "plan_from_decisions"]
 
 
-def solve(
-    model_or_stats,
+def solve_budget(
+    stats: ModelStats,
     budget: str | int | float,
-    example_inputs=None,
     *,
-    loss_fn=None,
-    optimizer="adamw",
-    target="h100",
-    world_size: int = 1,
     solver: str = "cbc",
     time_limit_s: float = 60,
     reserve: str | int | float = 0,
     max_choices: int = 16,
     presolve: bool = True,
 ) -> Plan:
-    """Pick which modules to checkpoint, and how much of each one's activations
-    to discard, so the step's peak fits ``budget`` with the least recompute time.
+    """:func:`autosac.solve` for a profiled step: the plan for ``budget``.
 
-    Args:
-        model_or_stats: an ``nn.Module`` (profiled here with ``example_inputs``,
-            ``loss_fn``, ``optimizer``, ``target``, ``world_size``) or a
-            :class:`ModelStats` from :func:`autosac.profile` (profile once, solve many).
-        budget: ``"8GiB"``, ``"500MB"``, ``"60%"`` of the unconstrained peak,
-            an ``int`` of bytes or a ``float`` of GiB.
-        solver: ``"cbc"`` (PuLP) or ``"highs"`` (SciPy); both reach the same optimum.
-        time_limit_s: on hitting it the best feasible plan found is returned,
-            flagged ``plan.solver["status"] == "time_limit"``.
-        reserve: headroom kept free for allocator overheads, same forms as ``budget``
-            (no percentages); subtracted from the budget.
-        max_choices: discard choices offered per module (breakpoints of its curve).
-        presolve: when module intervals nest (sequential models), solve exactly by
-            the chain DP first and hand its optimum to the MILP as bound and start.
-
-    Returns:
-        Plan: decisions {fqn: discard ratio}, the ops each recomputes, predicted peak.
-
-    Raises:
-        InfeasibleBudgetError: no plan reaches the budget; ``.min_feasible_bytes`` says what does.
-        SolveTimeoutError: the solver found no plan at all within ``time_limit_s``.
-        ValueError: a malformed budget, an unknown solver, or a model without example_inputs.
+    Args, returns and raises as :func:`autosac.solve` (``stats`` in place of
+    the model).
 
     Example::
 
-        >>> plan = autosac.solve(model, "60%", example_inputs=idx, target="h100")
-        >>> plan.decisions
-        {'blocks.0': 1.0, 'blocks.1.attn': 0.73, ...}
+        >>> plan = solve_budget(autosac.profile(model, idx), "60%")
     """
     if solver not in BACKENDS:
         raise ValueError(f"unknown solver {solver!r}: use one of {', '.join(BACKENDS)}")
-    if isinstance(model_or_stats, ModelStats):
-        stats = model_or_stats
-    elif not hasattr(model_or_stats, "named_modules"):
-        raise TypeError(f"solve needs an nn.Module or a ModelStats, got {type(model_or_stats).__name__}")
-    else:
-        if example_inputs is None:
-            raise ValueError("solve(model, ...) needs example_inputs= to profile the model (or pass a ModelStats)")
-        from autosac.trace import profile
-
-        stats = profile(model_or_stats, example_inputs, loss_fn=loss_fn, optimizer=optimizer,
-                        target=target, world_size=world_size)
+    if not isinstance(stats, ModelStats):
+        raise TypeError(f"solve_budget needs a ModelStats, got {type(stats).__name__}")
     problem = build_problem(stats, max_choices)
     budget_bytes = parse_budget(budget, problem.baseline_peak)
     if reserve:
@@ -212,54 +177,54 @@ def _info(sol: Solution) -> dict:
 
 
 def _make_plan(stats: ModelStats, problem: Problem, choice: dict[int, int], budget_bytes: int, info: dict) -> Plan:
-    tl = stats.timeline
-    details: dict[str, Decision] = {}
-    saved_events = {op.event: op for op in stats.saved_ops}
+    details = {}
     for i, k in sorted(choice.items()):
         cand = problem.candidates[i]
-        window = stats.modules[cand.fqn].fw_windows[0]
-        occ = _occurrences(tl.ops, window)
-        ops = []
-        chosen = set()
-        for item in cand.items[: cand.n_items[k - 1]]:
-            for op_id in item:
-                op = stats.saved_ops[op_id]
-                chosen.add(op.event)
-                ops.append(RecomputeOp(
-                    op=op.op, occurrence=occ[op.event], bytes=op.bytes, ms=op.ms, random=op.random,
-                    writers=[[tl.ops[w], occ[w]] for w in op.writer_events],
-                ))
-        ops.sort(key=lambda o: (o.op, o.occurrence))
-        # every other op with an output saved inside the module is kept (with its
-        # in-place writers); one saved only outside is re-run, since caching it
-        # would hold it past its consumers' backward
-        save = []
-        for e in range(window[0], window[1]):
-            op = saved_events.get(e)
-            if op is not None and e not in chosen and not op.param_cast and saved_inside(op.savers, cand.fqn):
-                save += [[tl.ops[x], occ[x]] for x in (e, *op.writer_events) if x < window[1]]
-        counts: dict[str, int] = {}
-        for e in range(window[0], window[1]):
-            counts[tl.ops[e]] = counts.get(tl.ops[e], 0) + 1
-        replay = ModuleReplay.of(stats, cand.fqn)
-        discarded = replay.events(i for item in cand.items[: cand.n_items[k - 1]] for i in item)
-        skip = [[tl.ops[e], occ[e]] for e in replay.dead(discarded, tl.ops)]
-        details[cand.fqn] = Decision(
-            fqn=cand.fqn, ratio=min(1.0, cand.discarded[k - 1] / cand.discardable_bytes),
-            discard_bytes=cand.discarded[k - 1], discardable_bytes=cand.discardable_bytes,
-            recompute_ms=cand.ms[k - 1], ops=ops, save_ops=save, skip_ops=skip, op_counts=counts,
-        )
+        details[cand.fqn] = _decision(stats, cand, k)
     peak = problem.evaluate(choice)
     recompute = problem.recompute_ms(choice)
-    from autosac import __version__
-
     return Plan(
         model=stats.model, fingerprint=stats.fingerprint, target=stats.target.get("name", "?"),
         world_size=stats.world_size, optimizer=stats.optimizer, budget_bytes=int(budget_bytes),
         baseline_peak_bytes=problem.baseline_peak, predicted_peak_bytes=peak, recompute_ms=recompute,
         baseline_step_ms=stats.step_ms, step_ms=stats.step_ms + recompute,
         decisions={f: d.ratio for f, d in details.items()}, details=details, solver=info,
-        versions={"autosac": __version__, **{k: v for k, v in stats.versions.items() if k != "autosac"}},
+        versions=dict(stats.versions), input_shapes=[list(x) for x in stats.input_shapes],
+    )
+
+
+def _decision(stats: ModelStats, cand, k: int) -> Decision:
+    """The run-time form of candidate ``cand`` taking choice ``k``: its traced
+    calls with their dataflow, and which of them to recompute, keep and skip."""
+    tl = stats.timeline
+    window = stats.modules[cand.fqn].fw_windows[0]
+    events, calls = local_calls(tl.ops, tl.inputs, window, SAC_IGNORED_NAMES)
+    local = {e: i for i, e in enumerate(events)}
+    occ = _occurrences(tl.ops, window)
+    op_ids = [op_id for item in cand.items[: cand.n_items[k - 1]] for op_id in item]
+    ops = []
+    for op_id in op_ids:
+        op = stats.saved_ops[op_id]
+        ops.append(RecomputeOp(
+            op=op.op, call=local[op.event], occurrence=occ[op.event], bytes=op.bytes, ms=op.ms,
+            random=op.random, writers=[local[w] for w in op.writer_events if w in local],
+        ))
+    ops.sort(key=lambda o: o.call)
+    chosen = {stats.saved_ops[i].event for i in op_ids}
+    # every other op with an output saved inside the module is kept (with its
+    # in-place writers); one saved only outside is re-run, since caching it
+    # would hold it past its consumers' backward
+    save = set()
+    for op in stats.saved_ops:
+        if window[0] <= op.event < window[1] and op.event not in chosen and not op.param_cast \
+                and saved_inside(op.savers, cand.fqn):
+            save.update(local[x] for x in (op.event, *op.writer_events) if x in local)
+    replay = ModuleReplay.of(stats, cand.fqn)
+    skip = [local[e] for e in replay.dead(replay.events(op_ids), tl.ops) if e in local]
+    return Decision(
+        fqn=cand.fqn, ratio=min(1.0, cand.discarded[k - 1] / cand.discardable_bytes),
+        discard_bytes=cand.discarded[k - 1], discardable_bytes=cand.discardable_bytes,
+        recompute_ms=cand.ms[k - 1], ops=ops, calls=calls, save=sorted(save), skip=sorted(skip),
     )
 
 

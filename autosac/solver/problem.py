@@ -92,7 +92,7 @@ def _choice_indices(cum_bytes: np.ndarray, cum_ms: np.ndarray, max_choices: int)
             keep.append(j)
     keep.append(n)
     if len(keep) - 1 > max_choices:
-        from autosac.trace.tradeoff import compress_curve
+        from autosac.curves import compress_curve
 
         pts = [[float(xs[j]), float(ys[j])] for j in keep]
         kept = {tuple(p) for p in compress_curve(pts, max_choices + 1)}

@@ -21,7 +21,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from autosac.stats import RANDOM_OPS, ModelStats, SavedOp
+from autosac.opkinds import SAC_IGNORED_NAMES
+from autosac.stats import ModelStats, SavedOp
 
 
 def saved_inside(savers: list[str], fqn: str) -> bool:
@@ -57,10 +58,7 @@ class ModuleReplay:
             elif saved_inside(op.savers, fqn):
                 kept.update(e for e in chain if e < end)
         views = tl.views or [False] * len(tl)
-        forced = {
-            e for e in range(start, end)
-            if not views[e] and (tl.ops[e] in RANDOM_OPS or tl.ops[e].endswith("_"))
-        }
+        forced = {e for e in range(start, end) if not views[e] and (tl.random[e] or tl.writes[e])}
         free = {e for e in range(start, end) if views[e]} | casts
         inputs = tl.inputs or [[] for _ in range(len(tl))]
         return cls(start, end, frozenset(kept), frozenset(forced), inputs, tl.ms, frozenset(free), stats.saved_ops)
@@ -105,7 +103,7 @@ class ModuleReplay:
         return [
             e for e in range(self.start, self.end)
             if e not in needed and (e not in self.kept or e in discarded) and e not in self.forced
-            and e not in self.free and ops[e] != "detach"
+            and e not in self.free and ops[e] not in SAC_IGNORED_NAMES
         ]
 
 

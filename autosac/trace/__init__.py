@@ -9,11 +9,14 @@ from torch import nn
 
 from autosac.devices import DeviceSpec, resolve_target
 from autosac.fingerprint import model_fingerprint
+from autosac.inputs import input_signature, split_inputs
+from autosac.marks import has_applied_plan
 from autosac.optim import OptimizerSpec, optimizer_name
 from autosac.stats import ModelStats
 from autosac.trace.aggregate import aggregate
 from autosac.trace.costs import CostModel
 from autosac.trace.step import trace_step
+from autosac.version import __version__
 
 __all__ = ["profile"]
 
@@ -62,9 +65,7 @@ def profile(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"profile needs an nn.Module, got {type(model).__name__}")
-    from autosac.applier import applied_plan
-
-    if applied_plan(model) is not None:
+    if has_applied_plan(model):
         raise ValueError("the model has an autosac plan applied: call autosac.unapply(model) before profiling it")
     spec = resolve_target(target)
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
@@ -78,8 +79,6 @@ def profile(
             + "; timed as memory-bound",
             stacklevel=2,
         )
-    from autosac import __version__
-
     stats = aggregate(
         step,
         model_name=type(model).__name__,
@@ -89,6 +88,7 @@ def profile(
         optimizer=optimizer_name(optimizer),
         versions={"autosac": __version__, "torch": torch.__version__},
     )
+    stats.input_shapes = input_signature(*split_inputs(example_inputs))
     # preserve_rng_state keeps the CPU generator state (and a device's) per checkpoint call
     stats.checkpoint_state_bytes = torch.get_rng_state().numel() + (16 if not spec.measured else 0)
     return stats

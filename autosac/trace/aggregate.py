@@ -8,10 +8,10 @@ from collections import defaultdict
 
 import numpy as np
 
-from autosac.stats import RANDOM_OPS, ModelStats, ModuleStats, SavedOp, Timeline
+from autosac.curves import exact_curve
+from autosac.stats import ModelStats, ModuleStats, SavedOp, Timeline
 from autosac.trace.recorder import StorageRecord, common_prefix
 from autosac.trace.step import TracedStep, stack_of
-from autosac.trace.tradeoff import exact_curve
 
 
 def _live_timeline(storages: list[StorageRecord], n: int, kind: str | None = None) -> np.ndarray:
@@ -107,7 +107,7 @@ def aggregate(
         op = SavedOp(
             id=len(saved_ops), op=rec.ops[ev], module=stack[-1], scope=scope_stack[-1], event=ev,
             freed_event=max(r.freed for r in recs), bytes=nbytes, ms=sum(rec.ms[i] for i in chain),
-            random=any(rec.ops[i] in RANDOM_OPS for i in chain), view=any(r.saved_as_view for r in recs),
+            random=any(rec.random[i] for i in chain), view=any(r.saved_as_view for r in recs),
             inplace=bool(writers), param_cast=any(r.param_cast for r in recs), writer_events=writers,
             savers=sorted({st[-1] for r in recs for st in r.saver_stacks if st}),
         )
@@ -193,6 +193,7 @@ def aggregate(
             grad_bytes=[int(x) for x in _live_timeline(rec.storages, n, "grad")], ms=list(rec.ms),
             made_bytes=[int(x) for x in made],
             inputs=[rec.inputs.get(i, []) for i in range(n)], views=list(rec.views),
+            random=list(rec.random), writes=list(rec.writes),
         ),
         unknown_flop_ops=sorted(rec.unknown_ops), versions=versions,
     )

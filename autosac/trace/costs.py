@@ -17,6 +17,7 @@ from torch.utils import flop_counter
 from torch.utils._pytree import tree_leaves, tree_map
 
 from autosac.devices import DeviceSpec
+from autosac.opkinds import is_view_op
 
 aten = torch.ops.aten
 
@@ -73,19 +74,6 @@ def _extra_registry() -> dict:
 
 
 FLOP_REGISTRY = {**flop_counter.flop_registry, **_extra_registry()}
-
-
-@cache
-def is_view_op(func) -> bool:
-    """True when the op's first result aliases an input without writing it."""
-    returns = func._schema.returns
-    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
-
-
-@cache
-def is_inplace_op(func) -> bool:
-    """True when the op writes into one of its inputs."""
-    return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
 
 
 def op_flops(func, args, kwargs, out) -> int | None:

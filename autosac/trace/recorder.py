@@ -22,7 +22,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from autosac.trace.costs import CostModel, is_inplace_op, is_view_op, transient_bytes
+from autosac.dataflow import DataflowTracker
+from autosac.opkinds import is_random_op, is_view_op, writes_input, written_tensors
+from autosac.trace.costs import CostModel, transient_bytes
 
 Stack = tuple[str, ...]
 _ACCUMULATE_GRAD_SEQ = 2**64 - 1
@@ -53,6 +55,8 @@ class Recording:
     ms: list[float] = field(default_factory=list)
     flops: list[int] = field(default_factory=list)
     views: list[bool] = field(default_factory=list)
+    random: list[bool] = field(default_factory=list)  # draws from the RNG
+    writes: list[bool] = field(default_factory=list)  # writes an input in place
     transient: dict[int, int] = field(default_factory=dict)  # event -> scratch bytes inside the op
     inputs: dict[int, list[int]] = field(default_factory=dict)  # forward event -> events that made its inputs
     storages: list[StorageRecord] = field(default_factory=list)
@@ -91,6 +95,7 @@ class StepRecorder(TorchDispatchMode):
         self._pending: list[tuple[weakref.ref, Stack]] = []
         self._seq_keys: list[int] = []
         self._seq_stacks: list[Stack] = []
+        self._flow = DataflowTracker()  # forward ops' reads (autosac.dataflow: shared with the applier)
 
     # ----------------------------------------------------------- storages
     def track(self, t: torch.Tensor, kind: str, created: int = -1, producer: int = -1) -> int:
@@ -206,27 +211,33 @@ class StepRecorder(TorchDispatchMode):
             phase, stack = self.phase, self._stack_t
         ms, flops = self.cost.op_ms(func, args, kwargs, out)
         view = is_view_op(func)
+        writes = writes_input(func)
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         # ops like _unsafe_view return an alias without being view ops: treat
         # them as views (a replay must run them for their consumers to see data)
-        alias = bool(outs) and not is_inplace_op(func) and all(self.index_of(t) is not None for t in outs)
+        alias = bool(outs) and not writes and all(self.index_of(t) is not None for t in outs)
         rec.ops.append(func.overloadpacket.__name__)
         rec.phases.append(phase)
         rec.stacks.append(stack)
         rec.ms.append(ms)
         rec.flops.append(flops)
         rec.views.append(view or alias)
+        rec.random.append(is_random_op(func))
+        rec.writes.append(writes and not view)
         scratch = transient_bytes(func, args)
         if scratch:
             rec.transient[idx] = scratch
 
         if phase == "forward":
-            self._note_inputs(idx, args, kwargs)
+            deps = self._flow.reads(args, kwargs)
+            if deps:
+                rec.inputs[idx] = deps
+            self._flow.record(idx, func, args, kwargs, out)
         kind = "act" if phase == "forward" else "temp"
         for t in outs:
             self.track(t, kind, created=idx, producer=idx)
-        if phase == "forward" and is_inplace_op(func) and not view:
-            for t in outs:
+        if phase == "forward" and writes and not view:
+            for t in written_tensors(func, args, kwargs):
                 r = self.record_of(t)
                 if r is not None and r.producer != idx and r.producer >= 0:
                     r.writers.append(idx)
@@ -235,19 +246,6 @@ class StepRecorder(TorchDispatchMode):
             # grad_fn is attached above this dispatch level: resolve it at the next op
             self._pending.extend((weakref.ref(t), stack) for t in outs if t.is_floating_point())
         return out
-
-    def _note_inputs(self, idx: int, args, kwargs) -> None:
-        # the ops whose results this one reads: each input storage's producer
-        # and the in-place ops that wrote it so far (a replay must run them first)
-        deps: set[int] = set()
-        for a in tree_leaves((args, kwargs)):
-            if isinstance(a, torch.Tensor):
-                r = self.record_of(a)
-                if r is not None and r.producer >= 0:
-                    deps.add(r.producer)
-                    deps.update(r.writers)
-        if deps:
-            self.rec.inputs[idx] = sorted(deps)
 
     def _note_param_use(self, func, args, outs) -> None:
         name = func.overloadpacket.__name__

@@ -17,7 +17,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from autosac.errors import NothingToCheckpointError, TraceError
-from autosac.optim import OptimizerSpec, default_loss, make_optimizer, split_inputs
+from autosac.inputs import split_inputs
+from autosac.optim import OptimizerSpec, default_loss, make_optimizer
 from autosac.stats import ParamStats
 from autosac.trace.costs import CostModel
 from autosac.trace.recorder import Recording, StepRecorder
@@ -123,7 +124,7 @@ def trace_step(
 
         for mod in model.modules():
             fqn = names[id(mod)]
-            hooks.append(mod.register_forward_pre_hook(_pre_hook(recorder, fqn)))
+            hooks.append(mod.register_forward_pre_hook(_pre_hook(recorder, fqn), with_kwargs=True))
             hooks.append(mod.register_forward_hook(_post_hook(recorder, fqn)))
         try:
             with recorder, torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
@@ -191,12 +192,12 @@ def stack_of(fqn: str) -> tuple[str, ...]:
 
 
 def _pre_hook(recorder: StepRecorder, fqn: str):
-    def hook(module, args):
+    def hook(module, args, kwargs):
         if recorder.phase == "forward":
             recorder.push(fqn)
-            recorder.rec.io_bytes.setdefault(fqn, [0, 0])[0] += _unique_bytes(args)
+            recorder.rec.io_bytes.setdefault(fqn, [0, 0])[0] += _unique_bytes((args, kwargs))
             if fqn not in recorder.rec.input_storages:
-                found = (recorder.index_of(t) for t in tree_leaves(args) if isinstance(t, torch.Tensor))
+                found = (recorder.index_of(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
                 recorder.rec.input_storages[fqn] = sorted({i for i in found if i is not None})
 
     return hook

@@ -1,0 +1,75 @@
+"""The one-call entry point: profile a model if need be, then solve."""
+
+from __future__ import annotations
+
+from autosac.plan import Plan
+from autosac.solver import solve_budget
+from autosac.stats import ModelStats
+from autosac.trace import profile
+
+__all__ = ["solve"]
+
+
+def solve(
+    model_or_stats,
+    budget: str | int | float,
+    example_inputs=None,
+    *,
+    loss_fn=None,
+    optimizer="adamw",
+    target="h100",
+    world_size: int = 1,
+    solver: str = "cbc",
+    time_limit_s: float = 60,
+    reserve: str | int | float = 0,
+    max_choices: int = 16,
+    presolve: bool = True,
+) -> Plan:
+    """Pick which modules to checkpoint, and how much of each one's activations
+    to discard, so the step's peak fits ``budget`` with the least recompute time.
+
+    Args:
+        model_or_stats: an ``nn.Module`` (profiled here with ``example_inputs``,
+            ``loss_fn``, ``optimizer``, ``target``, ``world_size``) or a
+            :class:`ModelStats` from :func:`autosac.profile` (profile once, solve many).
+        budget: ``"8GiB"``, ``"500MB"``, ``"60%"`` of the unconstrained peak,
+            an ``int`` of bytes or a ``float`` of GiB.
+        solver: ``"cbc"`` (PuLP) or ``"highs"`` (SciPy); both reach the same optimum.
+        time_limit_s: on hitting it the best feasible plan found is returned,
+            flagged ``plan.solver["status"] == "time_limit"``.
+        reserve: headroom kept free for allocator overheads, same forms as ``budget``
+            (no percentages); subtracted from the budget.
+        max_choices: discard choices offered per module (breakpoints of its curve).
+        presolve: when module intervals nest (sequential models), solve exactly by
+            the chain DP first and hand its optimum to the MILP as bound and start.
+
+    Returns:
+        Plan: decisions {fqn: discard ratio}, the ops each recomputes, predicted peak.
+
+    Raises:
+        InfeasibleBudgetError: no plan reaches the budget; ``.min_feasible_bytes`` says what does.
+        SolveTimeoutError: the solver found no plan at all within ``time_limit_s``.
+        ValueError: a malformed budget, an unknown solver, or a model without example_inputs.
+        TypeError: neither an ``nn.Module`` nor a ModelStats.
+
+    Example::
+
+        >>> plan = autosac.solve(model, "60%", example_inputs=idx, target="h100")
+        >>> plan.decisions
+        {'blocks.0': 1.0, 'blocks.1.attn': 0.73, ...}
+    """
+    if isinstance(model_or_stats, ModelStats):
+        stats = model_or_stats
+    elif not hasattr(model_or_stats, "named_modules"):
+        raise TypeError(f"solve needs an nn.Module or a ModelStats, got {type(model_or_stats).__name__}")
+    else:
+        if example_inputs is None:
+            raise ValueError("solve(model, ...) needs example_inputs= to profile the model (or pass a ModelStats)")
+        from autosac.solver.backends import BACKENDS
+
+        if solver not in BACKENDS:  # before the profile, which may take a while
+            raise ValueError(f"unknown solver {solver!r}: use one of {', '.join(BACKENDS)}")
+        stats = profile(model_or_stats, example_inputs, loss_fn=loss_fn, optimizer=optimizer,
+                        target=target, world_size=world_size)
+    return solve_budget(stats, budget, solver=solver, time_limit_s=time_limit_s, reserve=reserve,
+                        max_choices=max_choices, presolve=presolve)

@@ -1,0 +1,345 @@
+"""One checkpointed module at run time: its selective-checkpoint policy, the
+checks that keep it correct, and what its replay does.
+
+Each forward call of a decided module is a :class:`RegionCall`.  Its op calls
+are matched to the plan's :attr:`~autosac.plan.Decision.calls` by position:
+
+* **Forward.**  A dispatch mode beneath PyTorch's SAC caching mode sees every
+  op call first: it records which earlier calls it reads
+  (:mod:`autosac.dataflow`) and, when the call writes a tensor made outside the
+  region (batch norm's running stats, a counter buffer, a parameter), keeps a
+  copy of that tensor as it was.  The policy then keeps the plan's ``save``
+  calls and recomputes the rest.
+* **Checks, per call.**  An op that differs from the traced one at the same
+  position (another branch, other shapes, ``eval()``) makes this call
+  recompute everything from there on and skip nothing; a call that reads other
+  results than traced makes the replay compute everything it re-runs.  Either
+  warns once per module and kind, pointing at the user's code.  The next call
+  that matches is checkpointed as planned again.
+* **Replay.**  A dispatch mode beneath SAC's recompute mode sees exactly the
+  calls SAC re-runs, in order.  Calls the plan marks dead (and only while the
+  call matched the plan) return an empty tensor of the recorded shape; views,
+  writes and random ops always run.  Writes to tensors from outside the region
+  go to a copy of the tensor as it was in the forward, and the Python state
+  the forward started from is swapped in for the replay
+  (:mod:`autosac.applier.state`): recomputation never updates anything twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from autosac.applier.state import State, capture
+from autosac.dataflow import DataflowTracker
+from autosac.opkinds import is_random_op, is_sac_ignored, is_view_op, writes_input, written_args
+from autosac.plan import Decision
+
+
+@dataclass
+class RegionPolicy:
+    """Plan-derived answers for one decided module, and what it has warned about."""
+
+    fqn: str
+    calls: list[tuple[str, tuple[int, ...]]]
+    save: frozenset[int]
+    skip: frozenset[int]
+    warned: set[str] = field(default_factory=set, repr=False)
+
+    @classmethod
+    def from_decision(cls, d: Decision) -> RegionPolicy:
+        """Raises TypeError/ValueError on malformed (hand-edited) entries."""
+        calls = [(str(name), tuple(int(x) for x in deps)) for name, deps in d.calls]
+        n = len(calls)
+        save = frozenset(int(i) for i in d.save)
+        skip = frozenset(int(i) for i in d.skip) - save
+        if any(not 0 <= i < n for i in save | skip):
+            raise ValueError(f"call index out of range in the decision for {d.fqn!r}")
+        return cls(d.fqn, calls, save, skip)
+
+    def start(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> RegionCall:
+        """A new forward call of the module with these arguments."""
+        return RegionCall(self, capture(module, args, kwargs))
+
+    def warn(self, kind: str, message: str) -> None:
+        if kind not in self.warned:
+            self.warned.add(kind)
+            warn_user(message)
+
+
+@dataclass
+class _Rerun:
+    """What the replay does with one call SAC re-runs."""
+
+    shape: object = None  # outputs' shapes where the call may be skipped
+    before: dict = field(default_factory=dict)  # written argument -> copy as the forward found it
+
+
+class RegionCall:
+    """One forward call of a checkpointed module (see the module docstring)."""
+
+    def __init__(self, policy: RegionPolicy, state: State) -> None:
+        self.policy = policy
+        self.state = state
+        self.flow: DataflowTracker | None = DataflowTracker()
+        self.n = 0
+        self.last: tuple | None = None
+        self.differs: str | None = None  # the first op that differs from the plan
+        self.flow_differs: str | None = None  # the first call that reads other results
+        self.rerun: dict[str, list[_Rerun]] = defaultdict(list)
+
+    # --------------------------------------------------------- forward
+    def forward_op(self, func, args, kwargs):
+        """Beneath SAC's caching mode: note reads and outside writes, run the op."""
+        if is_sac_ignored(func):
+            return func(*args, **kwargs)
+        deps = tuple(self.flow.reads(args, kwargs))
+        before = {}
+        for name, value in _written_values(func, args, kwargs):
+            if not self.flow.produced_here(value):
+                before[name] = value.detach().clone()
+        out = func(*args, **kwargs)
+        self.flow.record(self.n, func, args, kwargs, out)
+        self.last = (self.n, func, deps, before)
+        self.n += 1
+        return out
+
+    def policy_fn(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        """SAC's question about the call :meth:`forward_op` just ran."""
+        if self.last is None or self.last[1] is not func:  # cannot happen: keep the region correct anyway
+            self._set_differs("its op calls could not be followed")
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        i, _, deps, before = self.last
+        name = func.overloadpacket.__name__
+        calls = self.policy.calls
+        if self.differs is None:
+            if i >= len(calls):
+                self._set_differs(f"ran more op calls than traced ({name} as call #{i})")
+            elif calls[i][0] != name:
+                self._set_differs(f"ran {name} as op call #{i} where the trace ran {calls[i][0]}")
+            elif calls[i][1] != deps and self.flow_differs is None:
+                self.flow_differs = f"op call #{i} ({name}) reads other results than in the trace"
+        if self.differs is None and i in self.policy.save:
+            return CheckpointPolicy.MUST_SAVE
+        shape = tree_map(_shape_of, ctx.op_output) if i in self.policy.skip else None
+        self.rerun[name].append(_Rerun(shape, before))
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def _set_differs(self, what: str) -> None:
+        self.differs = what
+
+    def finish(self) -> None:
+        """After the forward: report how this call departed from the plan."""
+        if self.differs is None and self.n < len(self.policy.calls):
+            self.differs = f"ran {self.n} op calls where the trace ran {len(self.policy.calls)}"
+        self.flow = None  # its weak references are no longer needed
+        fqn = self.policy.fqn
+        if self.differs is not None:
+            self.policy.warn("ops", (
+                f"autosac: module '{fqn}' {self.differs} (other inputs, shapes or mode than traced?). "
+                "That call recomputes every op from the difference on and skips none: gradients are exact, "
+                "recompute time is higher and its memory may differ from the plan's. Calls that match "
+                "the plan stay checkpointed as planned; re-plan with the inputs you run."
+            ))
+        elif self.flow_differs is not None:
+            self.policy.warn("flow", (
+                f"autosac: module '{fqn}': {self.flow_differs}. Its replay computes every op it re-runs "
+                "(gradients exact, recompute slower than planned); re-plan with the inputs you run."
+            ))
+
+    @property
+    def may_skip(self) -> bool:
+        return self.differs is None and self.flow_differs is None
+
+    # ---------------------------------------------------------- replay
+    def replay_op(self, func, args, kwargs, counts: dict[str, int]):
+        """Beneath SAC's recompute mode: skip dead calls, keep outside writes off the real tensors."""
+        if is_sac_ignored(func):
+            return func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        k = counts[name]
+        counts[name] = k + 1
+        queue = self.rerun.get(name, ())
+        entry = queue[k] if k < len(queue) else None
+        if entry is None:
+            return func(*args, **kwargs)
+        if (
+            entry.shape is not None and self.may_skip and not is_view_op(func) and not writes_input(func)
+            and not is_random_op(func)
+        ):
+            return tree_map(_empty_like_shape, entry.shape)
+        if entry.before:
+            args, kwargs = _with_copies(func, args, kwargs, entry.before)
+        return func(*args, **kwargs)
+
+    # -------------------------------------------------------- contexts
+    def contexts(self):
+        """``context_fn`` for ``torch.utils.checkpoint``: (forward, recompute) contexts."""
+        forward, recompute = create_selective_checkpoint_contexts(self.policy_fn, allow_cache_entry_mutation=True)
+        return _Nested(_Forward(self), forward), _Nested(_Replay(self), recompute)
+
+    def wrap(self, fn, args: tuple, kwargs: dict):
+        """``fn`` with ``kwargs`` bound, and positional tensors that were one
+        object in the forward made one object again in the replay (checkpoint
+        hands saved inputs back as new tensor objects; code like
+        ``nn.MultiheadAttention`` branches on ``query is key``)."""
+        firsts: dict[int, int] = {}
+        same = []
+        for j, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                i = firsts.setdefault(id(a), j)
+                if i != j:
+                    same.append((i, j))
+        kw_same = {k: firsts[id(v)] for k, v in kwargs.items() if isinstance(v, torch.Tensor) and id(v) in firsts}
+
+        def run(*a):
+            if same or kw_same:
+                a = list(a)
+                for i, j in same:
+                    a[j] = a[i]
+                kw = {**kwargs, **{k: a[i] for k, i in kw_same.items()}}
+                return fn(*a, **kw)
+            return fn(*a, **kwargs)
+
+        return run
+
+
+class _Forward(TorchDispatchMode):
+    def __init__(self, call: RegionCall) -> None:
+        super().__init__()
+        self.call = call
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.call.forward_op(func, args, kwargs or {})
+
+
+class _Replay(TorchDispatchMode):
+    """Entered once per replay: the forward's starting Python state is swapped
+    in for its duration, and the calls are counted from the start."""
+
+    def __init__(self, call: RegionCall) -> None:
+        super().__init__()
+        self.call = call
+        self.counts: dict[str, int] = defaultdict(int)
+        self.after: State | None = None
+
+    def __enter__(self):
+        self.counts = defaultdict(int)
+        self.after = self.call.state.recapture()
+        self.call.state.install()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self.after.install()
+            self.after = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.call.replay_op(func, args, kwargs or {}, self.counts)
+
+
+class _Nested:
+    """Enter ``below`` then ``above`` (so ``above`` sees each op first);
+    re-enterable, as a second backward or ``create_graph`` may replay again."""
+
+    def __init__(self, below, above) -> None:
+        self.below, self.above = below, above
+        self._stacks: list[contextlib.ExitStack] = []
+
+    def __enter__(self):
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.below)
+        stack.enter_context(self.above)
+        self._stacks.append(stack)
+        return self
+
+    def __exit__(self, *exc):
+        return self._stacks.pop().__exit__(*exc)
+
+
+def _written_values(func, args, kwargs):
+    """(argument name, tensor) for each tensor argument the op writes in place."""
+    names = written_args(func)
+    if not names:
+        return []
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.name in names:
+            value = kwargs[a.name] if a.name in kwargs else (args[i] if i < len(args) else None)
+            if isinstance(value, torch.Tensor):
+                out.append((a.name, value))
+    return out
+
+
+def _with_copies(func, args, kwargs, before: dict):
+    """``args``/``kwargs`` with each written argument in ``before`` replaced by a
+    fresh copy of its forward-time value."""
+    args, kwargs = list(args), dict(kwargs)
+    for i, a in enumerate(func._schema.arguments):
+        if a.name in before:
+            copy = before[a.name].clone()
+            if a.name in kwargs:
+                kwargs[a.name] = copy
+            elif i < len(args):
+                args[i] = copy
+    return tuple(args), kwargs
+
+
+@dataclass(frozen=True)
+class _Shape:
+    size: tuple
+    stride: tuple
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _shape_of(x):
+    if isinstance(x, torch.Tensor):
+        return _Shape(tuple(x.shape), tuple(x.stride()), x.dtype, x.device)
+    return x
+
+
+def _empty_like_shape(x):
+    if isinstance(x, _Shape):
+        return torch.empty_strided(x.size, x.stride, dtype=x.dtype, device=x.device)
+    return x
+
+
+_INTERNAL = (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # autosac/
+    os.path.dirname(os.path.abspath(torch.__file__)),
+)
+
+
+def warn_user(message: str) -> None:
+    """Warn, attributed to the innermost frame of the user's own code: not
+    autosac's or torch's, and not an installed library's where the user's script
+    is further out (so filters on torch's warnings leave it alone)."""
+    frames = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith(_INTERNAL):
+            frames.append(frame)
+        frame = frame.f_back
+    if not frames:
+        warnings.warn(message, UserWarning, stacklevel=2)
+        return
+    own = [f for f in frames if "-packages" + os.sep not in f.f_code.co_filename]
+    frame = (own or frames)[0]
+    warnings.warn_explicit(
+        message, UserWarning, frame.f_code.co_filename, frame.f_lineno,
+        module=frame.f_globals.get("__name__", "__main__"),
+        registry=frame.f_globals.setdefault("__warningregistry__", {}),
+    )

@@ -1,0 +1,88 @@
+"""Python-level state a checkpointed forward may change, saved so its replay
+does not change it again.
+
+A replay re-runs the module's Python ``forward``.  Whatever that code does to
+objects that outlive the call -- ``self.calls += 1``, a lazily cached
+attribute, a buffer re-bound, a key/value cache object passed in and appended
+to -- would happen twice.  :func:`capture` records, at the start of a forward
+call, the attributes of every module in the checkpointed subtree and of the
+objects reachable from its arguments (shallowly: attribute bindings and the
+contents of lists and dicts they hold); the replay runs with that state
+swapped in, and the state the forward left is put back afterwards, so the
+replay sees what the forward saw and leaves no trace.
+
+Tensors mutated in place (batch norm's running stats) are a dispatch-level
+matter, handled by :mod:`autosac.applier.region`.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+_ATOMS = (
+    type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.dtype, torch.device,
+    types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType, type,
+)
+_MAX_OBJECTS = 2000
+_MODULE_TABLES = ("_parameters", "_modules")
+
+
+class State:
+    """Saved attribute bindings of some objects, restorable in place."""
+
+    def __init__(self, saved: list[tuple[object, object]]) -> None:
+        self._saved = saved  # (container, copy of its contents)
+
+    def install(self) -> None:
+        """Make every captured container hold exactly what it held at capture time."""
+        for obj, copy in self._saved:
+            if isinstance(obj, list):
+                obj[:] = copy
+            else:
+                target = obj if isinstance(obj, dict) else obj.__dict__
+                if target.keys() != copy.keys() or any(target[k] is not v for k, v in copy.items()):
+                    target.clear()
+                    target.update(copy)
+
+    def recapture(self) -> State:
+        """The same containers' contents as they are now."""
+        return State([(obj, _contents(obj)) for obj, _ in self._saved])
+
+
+def capture(module: nn.Module, args: tuple, kwargs: dict) -> State:
+    """Record the state of ``module``'s subtree and of the objects its arguments reach.
+
+    Example::
+
+        >>> before = capture(block, args, kwargs)
+        >>> after = before.recapture(); before.install(); ...; after.install()
+    """
+    saved: list[tuple[object, object]] = []
+    seen: set[int] = set()
+    todo: list[object] = [m for m in module.modules()]
+    todo += [v for v in (*args, *kwargs.values())]
+    while todo and len(seen) < _MAX_OBJECTS:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, _ATOMS):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, (list, dict)):
+            saved.append((obj, _contents(obj)))
+            todo.extend(obj if isinstance(obj, list) else obj.values())
+        elif isinstance(obj, tuple):
+            todo.extend(obj)
+        elif isinstance(getattr(obj, "__dict__", None), dict):
+            saved.append((obj, _contents(obj)))
+            # a module's children are captured on their own; its parameter table is
+            # left alone (FSDP2 re-binds unsharded parameters there around each use)
+            todo.extend(v for k, v in obj.__dict__.items() if k not in _MODULE_TABLES or not isinstance(obj, nn.Module))
+    return State(saved)
+
+
+def _contents(obj):
+    if isinstance(obj, list):
+        return list(obj)
+    return dict(obj if isinstance(obj, dict) else obj.__dict__)

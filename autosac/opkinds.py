@@ -1,0 +1,87 @@
+"""What an aten op is, read from torch's own metadata: the one place the trace
+(which records it per op call) and the applier (which acts on it at run time)
+decide whether a call is a view, writes an input, draws from the RNG, or is
+never shown to a selective-checkpoint policy.
+
+* views and writes come from the op's schema (``Tensor(a)`` / ``Tensor(a!)``),
+  so ``_native_batch_norm_legit`` (which writes its running stats without a
+  trailing ``_``) counts as writing.  A few batch-norm kernels write their
+  running stats without their schema saying so (PyTorch's functionalization
+  special-cases them the same way): :data:`UNDECLARED_WRITES` names them;
+* random ops carry ``torch.Tag.nondeterministic_seeded`` (dropout, ``bernoulli_``,
+  the flash and memory-efficient attention kernels with dropout ...);
+* ``torch.utils.checkpoint.SAC_IGNORED_OPS`` are the ops PyTorch's SAC never
+  asks a policy about.
+
+Example::
+
+    >>> is_view_op(torch.ops.aten.view.default), writes_input(torch.ops.aten.add_.Tensor)
+    (True, True)
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+from torch.utils.checkpoint import SAC_IGNORED_OPS
+
+# The same ignored ops by aten overload-packet name, for stats that store names.
+SAC_IGNORED_NAMES = frozenset(
+    op.overloadpacket.__name__ for op in SAC_IGNORED_OPS if getattr(op, "namespace", None) == "aten"
+)
+
+
+@cache
+def is_view_op(func) -> bool:
+    """True when the op's first result aliases an input without writing it."""
+    returns = func._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+
+
+# Kernels whose schema does not mark the running stats they update in training.
+UNDECLARED_WRITES = {
+    "native_batch_norm": ("running_mean", "running_var"),
+    "cudnn_batch_norm": ("running_mean", "running_var"),
+    "miopen_batch_norm": ("running_mean", "running_var"),
+}
+
+
+@cache
+def written_args(func) -> tuple[str, ...]:
+    """Names of the arguments the op writes in place (empty for functional ops)."""
+    declared = tuple(a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write)
+    return declared + UNDECLARED_WRITES.get(func.overloadpacket.__name__, ())
+
+
+def writes_input(func) -> bool:
+    """True when the op writes into one of its inputs (``add_``, ``copy_``, batch norm's running stats)."""
+    return bool(written_args(func))
+
+
+@cache
+def is_random_op(func) -> bool:
+    """True when the op draws from the RNG (a replay must re-run it in order)."""
+    return torch.Tag.nondeterministic_seeded in func.tags
+
+
+def is_sac_ignored(func) -> bool:
+    """True for ops PyTorch's selective checkpointing never shows a policy."""
+    return func in SAC_IGNORED_OPS
+
+
+def written_tensors(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors one call of ``func`` writes in place, found by schema argument name."""
+    names = written_args(func)
+    if not names:
+        return []
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.name not in names:
+            continue
+        value = kwargs[a.name] if a.name in kwargs else (args[i] if i < len(args) else None)
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            out.extend(v for v in value if isinstance(v, torch.Tensor))
+    return out
