@@ -6,9 +6,9 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-import torch.nn.functional as F
 from torch import nn
 
 import autosac
