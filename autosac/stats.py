@@ -87,6 +87,7 @@ class ModuleStats:
     recompute_profile: list[list[int]]  # [event, short-lived bytes alive] wherever that changes
     retained_input_bytes: int  # inputs a checkpoint keeps alive that would die before its backward
     cache_holds: list[list[int]] = field(default_factory=list)  # [op event, bytes]: see above
+    outside_write_bytes: int = 0  # written in place but made before the call: kept as they were until the replay
     saved_op_ids: list[int] = field(default_factory=list)
     discardable_bytes: int = 0
     tradeoff: list[list[float]] = field(default_factory=list)

@@ -22,7 +22,7 @@ are matched to the plan's :attr:`~autosac.plan.Decision.calls` by position:
   writes and random ops always run.  Writes to tensors from outside the region
   go to a copy of the tensor as it was in the forward, and the Python state
   the forward started from is swapped in for the replay
-  (:mod:`autosac.applier.state`): recomputation never updates anything twice.
+  (:mod:`autosac.pystate`): recomputation never updates anything twice.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from autosac.applier.state import State, capture
 from autosac.dataflow import DataflowTracker
 from autosac.opkinds import is_random_op, is_sac_ignored, is_view_op, writes_input, written_args
 from autosac.plan import Decision
+from autosac.pystate import State, capture
 
 
 @dataclass
@@ -143,6 +143,8 @@ class RegionCall:
             self.differs = f"ran {self.n} op calls where the trace ran {len(self.policy.calls)}"
         self.flow = None  # its weak references are no longer needed
         fqn = self.policy.fqn
+        if self.differs is not None and self.state.grew():
+            return  # a first call that built lazy state: later calls match the (steady-state) trace
         if self.differs is not None:
             self.policy.warn("ops", (
                 f"autosac: module '{fqn}' {self.differs} (other inputs, shapes or mode than traced?). "

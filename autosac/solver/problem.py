@@ -230,7 +230,7 @@ def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
         cum_b = np.cumsum([sum(stats.saved_ops[i].bytes for i in it) for it in items])
         cum_t = np.asarray(costs)
         picks = _choice_indices(cum_b, cum_t, max_choices)
-        hold = m.retained_input_bytes + stats.checkpoint_state_bytes
+        hold = m.retained_input_bytes + stats.checkpoint_state_bytes + m.outside_write_bytes
         # what the cache holds for kept ops is not saved either (conservatively
         # over the whole interval: it is held from its consumers' backward on)
         net = {j: int(cum_b[j - 1]) - hold - _cache_held(m, stats, items, j)[0] for j in picks}

@@ -164,6 +164,7 @@ def aggregate(
                 rec.storages[i].nbytes for i in rec.input_storages.get(fqn, ())
                 if rec.storages[i].kind in ("act", "temp") and bw is not None and rec.storages[i].freed <= bw[0]
             ),
+            outside_write_bytes=_outside_writes(rec, rec.fw_windows.get(fqn, [])),
             saved_op_ids=ids, discardable_bytes=sum(saved_ops[i].bytes for i in ids),
             cache_holds=sorted([e, b] for e, b in cache_holds.get(fqn, {}).items()),
         )
@@ -197,6 +198,16 @@ def aggregate(
         ),
         unknown_flop_ops=sorted(rec.unknown_ops), versions=versions,
     )
+
+
+def _outside_writes(rec, windows) -> int:
+    """Bytes the first forward call writes in place into tensors made before it
+    (buffers, parameters, inputs): a checkpoint keeps their prior values until
+    its replay, so that the replay does not write them again."""
+    if not windows:
+        return 0
+    start, end = windows[0]
+    return sum(b for e, items in rec.written.items() if start <= e < end for p, b in items if p < start)
 
 
 def stack_subtree(fqn: str, children: dict[str, list[str]]) -> list[str]:

@@ -112,8 +112,13 @@ def _blas_ready(t: torch.Tensor) -> bool:
 def transient_bytes(func, args) -> int:
     """Bytes an op allocates internally and frees before returning, invisible to
     the dispatcher: matmuls copy operands that are not BLAS-strided (e.g. the
-    stride-0 gradient of a sum) into contiguous scratch."""
-    if func.overloadpacket.__name__ not in _MATMULS:
+    stride-0 gradient of a sum) into contiguous scratch; batch norm's backward
+    (CPU kernel) works in an input-sized scratch tensor (measured with the
+    profiler's allocator events)."""
+    name = func.overloadpacket.__name__
+    if name == "native_batch_norm_backward" and len(args) > 1 and isinstance(args[1], torch.Tensor):
+        return tensor_bytes(args[1])
+    if name not in _MATMULS:
         return 0
     return sum(tensor_bytes(t) for t in args if isinstance(t, torch.Tensor) and not _blas_ready(t))
 

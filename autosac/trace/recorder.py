@@ -59,6 +59,7 @@ class Recording:
     writes: list[bool] = field(default_factory=list)  # writes an input in place
     transient: dict[int, int] = field(default_factory=dict)  # event -> scratch bytes inside the op
     inputs: dict[int, list[int]] = field(default_factory=dict)  # forward event -> events that made its inputs
+    written: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # forward event -> [(producer, bytes)]
     storages: list[StorageRecord] = field(default_factory=list)
     fw_windows: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     fw_pre_order: list[str] = field(default_factory=list)
@@ -239,8 +240,10 @@ class StepRecorder(TorchDispatchMode):
         if phase == "forward" and writes and not view:
             for t in written_tensors(func, args, kwargs):
                 r = self.record_of(t)
-                if r is not None and r.producer != idx and r.producer >= 0:
-                    r.writers.append(idx)
+                if r is not None:
+                    if r.producer != idx and r.producer >= 0:
+                        r.writers.append(idx)
+                    rec.written.setdefault(idx, []).append((r.producer, t.numel() * t.element_size()))
         if phase == "forward":
             self._note_param_use(func, args, outs)
             # grad_fn is attached above this dispatch level: resolve it at the next op

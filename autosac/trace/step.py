@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from autosac.errors import NothingToCheckpointError, TraceError
 from autosac.inputs import split_inputs
 from autosac.optim import OptimizerSpec, default_loss, make_optimizer
+from autosac.pystate import capture
 from autosac.stats import ParamStats
 from autosac.trace.costs import CostModel
 from autosac.trace.recorder import Recording, StepRecorder
@@ -75,6 +76,12 @@ def trace_step(
 ) -> TracedStep:
     """Trace forward, loss, backward and optimizer step; return the raw recording.
 
+    The model and the example inputs are left exactly as they were: parameters
+    and buffers are swapped back, and attributes the forward assigned (under
+    fake mode) are undone.  A forward that builds lazy state on its first call
+    (a cache attribute, say) is traced a second time, with that state in place,
+    so the recording is the steady-state step the plan is for.
+
     Raises:
         NothingToCheckpointError: no parameter requires grad, or the loss is not differentiable.
         TraceError: the forward (naming the module) or the loss raised.
@@ -84,88 +91,43 @@ def trace_step(
             f"{type(model).__name__} has no parameter that requires grad: nothing to checkpoint"
         )
     loss_fn = loss_fn or default_loss
-    names = {id(m): fqn for fqn, m in model.named_modules()}
+    real_args, real_kwargs = split_inputs(example_inputs)
+    before = capture(model, real_args, real_kwargs)
     mode = FakeTensorMode()
+    try:
+        with fake_parameters(model, mode), mode:
+            args, kwargs = tree_map(
+                lambda x: _fake_like(x, x.requires_grad) if isinstance(x, torch.Tensor) else x, (real_args, real_kwargs)
+            )
+            step = _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model)
+            if before.grew():
+                step = _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model)
+    finally:
+        before.install()
+    return step
+
+
+def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model) -> TracedStep:
+    """One recorded step on a model whose parameters are already fake."""
+    names = {id(m): fqn for fqn, m in model.named_modules()}
     recorder = StepRecorder(cost_model)
+    opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
+    _init_optimizer_state(model, opt)
+    params = _track_params(model, opt, recorder)
+    buffer_bytes = _track_new(recorder, {id(b): b for b in model.buffers()}.values(), "buffer")
+    input_bytes = _track_new(recorder, tree_leaves((args, kwargs)), "input")
     hooks = []
-    with fake_parameters(model, mode), mode:
-        args, kwargs = tree_map(
-            lambda x: _fake_like(x, x.requires_grad) if isinstance(x, torch.Tensor) else x,
-            split_inputs(example_inputs),
-        )
-        opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
-        _init_optimizer_state(model, opt)
-
-        owners: dict[int, str] = {}
-        params: dict[str, ParamStats] = {}
-        for mod_fqn, mod in model.named_modules():
-            for pname, p in mod.named_parameters(recurse=False):
-                if id(p) in owners:
-                    continue
-                owners[id(p)] = mod_fqn
-                fqn = f"{mod_fqn}.{pname}" if mod_fqn else pname
-                recorder.track_param(fqn, p, stack_of(mod_fqn))
-                state_bytes = _state_bytes(opt, p)
-                for t in _state_tensors(opt, p):
-                    recorder.track(t, "optim")
-                nbytes = p.numel() * p.element_size()
-                params[fqn] = ParamStats(
-                    fqn, mod_fqn, list(p.shape), str(p.dtype).removeprefix("torch."), nbytes,
-                    p.requires_grad, nbytes if p.requires_grad else 0, state_bytes, [],
-                )
-        buffer_bytes = 0
-        for b in {id(b): b for b in model.buffers()}.values():
-            if recorder.record_of(b) is None:
-                buffer_bytes += recorder.rec.storages[recorder.track(b, "buffer")].nbytes
-        input_bytes = 0
-        for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and recorder.record_of(t) is None:
-                input_bytes += recorder.rec.storages[recorder.track(t, "input")].nbytes
-
-        for mod in model.modules():
-            fqn = names[id(mod)]
-            hooks.append(mod.register_forward_pre_hook(_pre_hook(recorder, fqn), with_kwargs=True))
-            hooks.append(mod.register_forward_hook(_post_hook(recorder, fqn)))
-        try:
-            with recorder, torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
-                recorder.phase = "forward"
-                out = _run_forward(model, args, kwargs, recorder)
-                recorder.phase = "loss"
-                try:
-                    loss = loss_fn(out)
-                except Exception as e:
-                    raise TraceError(f"loss_fn raised {type(e).__name__}: {e}") from None
-                del out
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise TraceError("loss_fn must return a scalar tensor")
-            if not loss.requires_grad:
-                raise NothingToCheckpointError(
-                    "the loss does not require grad (the output is not differentiable): nothing to checkpoint"
-                )
-            with recorder:
-                recorder.phase = "backward"
-                try:
-                    loss.backward()
-                except Exception as e:
-                    raise TraceError(f"the backward pass raised {type(e).__name__}: {_first_line(e)}") from None
-                del loss
-                recorder.phase = "optimizer"
-                for p in model.parameters():
-                    if p.grad is not None:
-                        recorder.relabel(p.grad, "grad")
-                try:
-                    if opt is not None:
-                        opt.step()
-                        opt.zero_grad(set_to_none=True)
-                    else:
-                        model.zero_grad(set_to_none=True)
-                except Exception as e:
-                    raise TraceError(f"the optimizer step raised {type(e).__name__}: {_first_line(e)}") from None
-        finally:
-            for h in hooks:
-                h.remove()
-        recording = recorder.finish()
-
+    for mod in model.modules():
+        fqn = names[id(mod)]
+        hooks.append(mod.register_forward_pre_hook(_pre_hook(recorder, fqn), with_kwargs=True))
+        hooks.append(mod.register_forward_hook(_post_hook(recorder, fqn)))
+    try:
+        loss = _forward_and_loss(model, args, kwargs, loss_fn, recorder)
+        _backward_and_update(model, loss, opt, recorder)
+    finally:
+        for h in hooks:
+            h.remove()
+    recording = recorder.finish()
     for fqn, ps in params.items():
         ps.consumed_dtypes = sorted(recording.param_dtypes.get(fqn, ()))
     module_children: dict[str, list[str]] = {fqn: [] for fqn in names.values()}
@@ -176,6 +138,77 @@ def trace_step(
             if cfqn is not None and cfqn == (f"{fqn}.{cname}" if fqn else cname):
                 module_children[fqn].append(cfqn)
     return TracedStep(recording, params, module_types, module_children, input_bytes, buffer_bytes)
+
+
+def _track_params(model: nn.Module, opt, recorder: StepRecorder) -> dict[str, ParamStats]:
+    """Register each parameter (once, under its first owner) and its optimizer state."""
+    owners: dict[int, str] = {}
+    params: dict[str, ParamStats] = {}
+    for mod_fqn, mod in model.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            if id(p) in owners:
+                continue
+            owners[id(p)] = mod_fqn
+            fqn = f"{mod_fqn}.{pname}" if mod_fqn else pname
+            recorder.track_param(fqn, p, stack_of(mod_fqn))
+            for t in _state_tensors(opt, p):
+                recorder.track(t, "optim")
+            nbytes = p.numel() * p.element_size()
+            params[fqn] = ParamStats(
+                fqn, mod_fqn, list(p.shape), str(p.dtype).removeprefix("torch."), nbytes,
+                p.requires_grad, nbytes if p.requires_grad else 0, _state_bytes(opt, p), [],
+            )
+    return params
+
+
+def _track_new(recorder: StepRecorder, tensors, kind: str) -> int:
+    """Register the storages of ``tensors`` not yet known as ``kind``; return their bytes."""
+    total = 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and recorder.record_of(t) is None:
+            total += recorder.rec.storages[recorder.track(t, kind)].nbytes
+    return total
+
+
+def _forward_and_loss(model, args, kwargs, loss_fn, recorder: StepRecorder) -> torch.Tensor:
+    with recorder, torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
+        recorder.phase = "forward"
+        out = _run_forward(model, args, kwargs, recorder)
+        recorder.phase = "loss"
+        try:
+            loss = loss_fn(out)
+        except Exception as e:
+            raise TraceError(f"loss_fn raised {type(e).__name__}: {e}") from None
+        del out
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TraceError("loss_fn must return a scalar tensor")
+    if not loss.requires_grad:
+        raise NothingToCheckpointError(
+            "the loss does not require grad (the output is not differentiable): nothing to checkpoint"
+        )
+    return loss
+
+
+def _backward_and_update(model, loss, opt, recorder: StepRecorder) -> None:
+    with recorder:
+        recorder.phase = "backward"
+        try:
+            loss.backward()
+        except Exception as e:
+            raise TraceError(f"the backward pass raised {type(e).__name__}: {_first_line(e)}") from None
+        del loss
+        recorder.phase = "optimizer"
+        for p in model.parameters():
+            if p.grad is not None:
+                recorder.relabel(p.grad, "grad")
+        try:
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            else:
+                model.zero_grad(set_to_none=True)
+        except Exception as e:
+            raise TraceError(f"the optimizer step raised {type(e).__name__}: {_first_line(e)}") from None
 
 
 def _first_line(e: Exception) -> str:

@@ -1,5 +1,5 @@
-"""Python-level state a checkpointed forward may change, saved so its replay
-does not change it again.
+"""Python-level state a forward may change: saved so a checkpoint's replay
+does not change it again, and so a fake-mode trace leaves the model as it was.
 
 A replay re-runs the module's Python ``forward``.  Whatever that code does to
 objects that outlive the call -- ``self.calls += 1``, a lazily cached
@@ -12,7 +12,9 @@ swapped in, and the state the forward left is put back afterwards, so the
 replay sees what the forward saw and leaves no trace.
 
 Tensors mutated in place (batch norm's running stats) are a dispatch-level
-matter, handled by :mod:`autosac.applier.region`.
+matter, handled by :mod:`autosac.applier.region`.  The trace installs the
+state it captured when it is done, so attributes a forward assigned under
+fake mode (a lazily built cache, say) do not outlive the profile.
 """
 
 from __future__ import annotations
@@ -46,6 +48,15 @@ class State:
                 if target.keys() != copy.keys() or any(target[k] is not v for k, v in copy.items()):
                     target.clear()
                     target.update(copy)
+
+    def grew(self) -> bool:
+        """Whether any captured object or table has gained entries since capture
+        (a forward that built lazy state: a cache attribute, a registered buffer)."""
+        for obj, copy in self._saved:
+            now = obj if isinstance(obj, (list, dict)) else obj.__dict__
+            if len(now) > len(copy) or (not isinstance(obj, list) and not now.keys() <= copy.keys()):
+                return True
+        return False
 
     def recapture(self) -> State:
         """The same containers' contents as they are now."""

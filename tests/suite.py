@@ -1,0 +1,120 @@
+"""Shared check for the model suites: a plan applied to a model must leave one
+training step bitwise unchanged (loss, gradients, parameters after the
+optimizer step, buffers), keep the measured peak under the budget, and
+predict the peak within 3 % of an independent measurement."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_map
+
+import autosac
+from autosac.budget import parse_budget
+from autosac.inputs import split_inputs
+from autosac.optim import default_loss
+from autosac.solver import least_peak, solve_stats
+from autosac.solver.problem import build_problem
+
+TOLERANCE = 0.03
+
+
+@dataclass
+class Row:
+    model: str
+    budget: str
+    budget_bytes: int
+    predicted: int | None
+    measured: int | None
+    bitwise: bool | None
+    note: str = ""
+
+
+def training_step(model, inputs, loss_fn=None, seed: int = 1234):
+    """One step (forward, loss, backward, AdamW step); returns loss, grads, params, buffers."""
+    loss_fn = loss_fn or default_loss
+    args, kwargs = split_inputs(inputs)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    torch.manual_seed(seed)
+    loss = loss_fn(model(*args, **kwargs))
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    return loss.detach(), grads, params, buffers
+
+
+def assert_same_step(ref, other, inputs, loss_fn=None) -> None:
+    a = training_step(ref, inputs, loss_fn)
+    b = training_step(other, inputs, loss_fn)
+    assert torch.equal(a[0], b[0]), ("loss", a[0], b[0])
+    for what, x, y in zip(("grad", "param", "buffer"), a[1:], b[1:]):
+        assert x.keys() == y.keys(), what
+        for name in x:
+            assert torch.equal(x[name], y[name]), (what, name)
+
+
+def budgets(stats, problem) -> list[tuple[str, int]]:
+    least, _ = least_peak(problem)
+    out = []
+    for label in ("70%", "50%"):
+        b = parse_budget(label, problem.baseline_peak)
+        out.append((label, b))
+    out.append(("least", least))
+    return out
+
+
+def check_model(name, build, loss_fn=None, target="a100", labels=("70%", "50%", "least")) -> list[Row]:
+    """Plan ``build()``'s model at each budget; check every promise; return the table rows.
+
+    ``build`` returns ``(model, inputs)`` with fixed weights (the same each call).
+    """
+    model, inputs = build()
+    stats = autosac.profile(model, inputs, loss_fn=loss_fn, target=target)
+    problem = build_problem(stats)
+    rows = []
+    for label, budget in budgets(stats, problem):
+        if label not in labels:
+            continue
+        try:
+            plan = solve_stats(stats, budget, problem=problem)
+        except autosac.InfeasibleBudgetError as e:
+            rows.append(Row(name, label, budget, None, None, None, f"infeasible (least {e.min_feasible_bytes})"))
+            continue
+        ref, _ = build()
+        work, inputs = build()
+        autosac.apply(work, plan)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the plan fits these inputs: nothing to warn about
+            assert_same_step(ref, work, inputs, loss_fn)
+            fresh, inputs = build()
+            autosac.apply(fresh, plan)
+            measured = autosac.measure(fresh, inputs, loss_fn=loss_fn, steps=1).peak_bytes
+        rows.append(Row(name, label, plan.budget_bytes, plan.predicted_peak_bytes, measured, True,
+                        f"{len(plan.decisions)} modules"))
+        assert measured <= plan.budget_bytes, (name, label, measured, plan.budget_bytes)
+        assert abs(plan.predicted_peak_bytes - measured) <= TOLERANCE * measured, (
+            name, label, plan.predicted_peak_bytes, measured)
+    return rows
+
+
+def clone_inputs(inputs):
+    return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, inputs)
+
+
+def seeded(factory, seed: int = 0):
+    """A ``build`` for :func:`check_model`: the same weights and inputs each call."""
+
+    def build():
+        torch.manual_seed(seed)
+        return factory()
+
+    return build
+
+
+__all__ = ["Row", "assert_same_step", "check_model", "clone_inputs", "copy", "seeded", "training_step"]
