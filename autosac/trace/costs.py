@@ -113,11 +113,19 @@ def transient_bytes(func, args) -> int:
     """Bytes an op allocates internally and frees before returning, invisible to
     the dispatcher: matmuls copy operands that are not BLAS-strided (e.g. the
     stride-0 gradient of a sum) into contiguous scratch; batch norm's backward
-    (CPU kernel) works in an input-sized scratch tensor (measured with the
-    profiler's allocator events)."""
+    works in an input-sized scratch tensor and layer norm's backward copies
+    non-contiguous operands (CPU kernels, measured with the profiler's allocator
+    events)."""
     name = func.overloadpacket.__name__
     if name == "native_batch_norm_backward" and len(args) > 1 and isinstance(args[1], torch.Tensor):
         return tensor_bytes(args[1])
+    if name == "native_layer_norm_backward" and len(args) > 1:
+        # the CPU kernel makes grad_out and input contiguous, and sums the weight's
+        # gradient through a float per row
+        grad_out, inp = args[0], args[1]
+        copies = sum(tensor_bytes(t) for t in (grad_out, inp) if isinstance(t, torch.Tensor) and not t.is_contiguous())
+        rows = inp.numel() // max(1, inp.shape[-1]) if isinstance(inp, torch.Tensor) and inp.dim() else 0
+        return copies + 4 * rows
     if name not in _MATMULS:
         return 0
     return sum(tensor_bytes(t) for t in args if isinstance(t, torch.Tensor) and not _blas_ready(t))
