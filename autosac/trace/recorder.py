@@ -19,6 +19,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -68,6 +69,36 @@ class Recording:
     input_storages: dict[str, list[int]] = field(default_factory=dict)  # fqn -> storage records (first call)
     param_dtypes: dict[str, set[str]] = field(default_factory=dict)
     unknown_ops: set[str] = field(default_factory=set)
+
+
+SMALL_NUMEL = 1 << 16  # tensors this small (and on the cpu) may be computed for real
+
+
+def run_op(func, args, kwargs):
+    """Run one op of the trace: under fake mode, unless it only reads small real
+    tensors (or none) and makes small ones.
+
+    Code that branches on tensor values -- position ids, attention masks, a
+    cache's length -- then sees the values an eager step sees, and code that
+    asks whether it is being traced (``isinstance(x, FakeTensor)``, as
+    transformers does before choosing its attention-mask path) gets the same
+    answer as in the real step, so the trace takes the real step's branches.
+    Random ops always run fake: the trace never advances the real RNG.
+    """
+    if func.namespace != "aten" or is_random_op(func):
+        return func(*args, **kwargs)
+    tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+    if any(isinstance(t, FakeTensor) or t.requires_grad or t.device.type != "cpu" for t in tensors):
+        return func(*args, **kwargs)
+    if sum(t.numel() for t in tensors) > SMALL_NUMEL:
+        return func(*args, **kwargs)
+    if not tensors:  # a factory: real only when what it makes is small and on the cpu
+        fake = func(*args, **kwargs)
+        made = [t for t in tree_leaves(fake) if isinstance(t, torch.Tensor)]
+        if not made or any(t.device.type != "cpu" or t.numel() > SMALL_NUMEL for t in made):
+            return fake
+    with unset_fake_temporarily():
+        return func(*args, **kwargs)
 
 
 def common_prefix(a: Stack, b: Stack) -> Stack:
@@ -202,7 +233,7 @@ class StepRecorder(TorchDispatchMode):
             return func(*args, **kwargs)
         if self._pending:
             self._flush_pending()
-        out = func(*args, **kwargs)
+        out = run_op(func, args, kwargs)
 
         rec = self.rec
         idx = len(rec.ops)

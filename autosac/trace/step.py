@@ -22,7 +22,7 @@ from autosac.optim import OptimizerSpec, default_loss, make_optimizer
 from autosac.pystate import capture
 from autosac.stats import ParamStats
 from autosac.trace.costs import CostModel
-from autosac.trace.recorder import Recording, StepRecorder
+from autosac.trace.recorder import SMALL_NUMEL, Recording, StepRecorder
 
 
 @dataclass
@@ -93,18 +93,27 @@ def trace_step(
     loss_fn = loss_fn or default_loss
     real_args, real_kwargs = split_inputs(example_inputs)
     before = capture(model, real_args, real_kwargs)
-    mode = FakeTensorMode()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         with fake_parameters(model, mode), mode:
-            args, kwargs = tree_map(
-                lambda x: _fake_like(x, x.requires_grad) if isinstance(x, torch.Tensor) else x, (real_args, real_kwargs)
-            )
+            args, kwargs = tree_map(_trace_input, (real_args, real_kwargs))
             step = _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model)
             if before.grew():
                 step = _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model)
     finally:
         before.install()
     return step
+
+
+def _trace_input(x):
+    """A fake twin of an example input -- except small integer and boolean
+    tensors on the cpu (token ids, masks, positions), which stay real so that
+    code reading their values branches as in the real step."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    if x.device.type == "cpu" and not x.is_floating_point() and not x.is_complex() and x.numel() <= SMALL_NUMEL:
+        return x
+    return _fake_like(x, x.requires_grad)
 
 
 def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model) -> TracedStep:
