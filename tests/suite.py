@@ -69,10 +69,14 @@ def budgets(stats, problem) -> list[tuple[str, int]]:
     return out
 
 
-def check_model(name, build, loss_fn=None, target="a100", labels=("70%", "50%", "least")) -> list[Row]:
+def check_model(
+    name, build, loss_fn=None, target="a100", labels=("70%", "50%", "least"), expect_warning: str | None = None
+) -> list[Row]:
     """Plan ``build()``'s model at each budget; check every promise; return the table rows.
 
     ``build`` returns ``(model, inputs)`` with fixed weights (the same each call).
+    The applied model must warn about nothing, or exactly once with a message
+    containing ``expect_warning``.
     """
     model, inputs = build()
     stats = autosac.profile(model, inputs, loss_fn=loss_fn, target=target)
@@ -89,9 +93,14 @@ def check_model(name, build, loss_fn=None, target="a100", labels=("70%", "50%", 
         ref, _ = build()
         work, inputs = build()
         autosac.apply(work, plan)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # the plan fits these inputs: nothing to warn about
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             assert_same_step(ref, work, inputs, loss_fn)
+        said = [str(w.message) for w in caught if str(w.message).startswith("autosac:")]
+        assert said == ([] if expect_warning is None else [said[0]]), said
+        assert expect_warning is None or expect_warning in said[0], said
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             fresh, inputs = build()
             autosac.apply(fresh, plan)
             measured = autosac.measure(fresh, inputs, loss_fn=loss_fn, steps=1).peak_bytes

@@ -22,6 +22,7 @@ from autosac.applier.region import RegionPolicy, warn_user
 from autosac.errors import PlanMismatchError, StatsFormatError
 from autosac.fingerprint import model_fingerprint
 from autosac.inputs import format_signature, input_signature
+from autosac.integrations import training_kwargs
 from autosac.marks import APPLIED, POLICY
 from autosac.plan import Plan
 
@@ -156,9 +157,18 @@ def _enter_model(module, args, kwargs):
     state = module.__dict__.get(APPLIED)
     if state is not None and state["plan"].input_shapes:
         _check_shapes(state, input_signature(args, kwargs))
+    changed = training_kwargs(module, kwargs) if torch.is_grad_enabled() else None
+    if changed is not None and state is not None and not state.get("warned_cache"):
+        state["warned_cache"] = True
+        warn_user(
+            "autosac: use_cache=True in a training forward keeps every layer's keys and values in a cache "
+            "nothing reads; with a plan applied the model runs with use_cache=False, as transformers' own "
+            "gradient checkpointing does (pass use_cache=False to silence this)"
+        )
     ctx = torch.autograd.graph.saved_tensors_hooks(pack_cast, unpack_cast)
     ctx.__enter__()
     module.__dict__.setdefault("_autosac_cast_ctx", []).append(ctx)
+    return None if changed is None else (args, changed)
 
 
 @torch.compiler.disable

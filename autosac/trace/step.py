@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from autosac.errors import NothingToCheckpointError, TraceError
 from autosac.inputs import split_inputs
+from autosac.integrations import training_kwargs
 from autosac.optim import OptimizerSpec, default_loss, make_optimizer
 from autosac.pystate import capture
 from autosac.stats import ParamStats
@@ -264,6 +265,7 @@ def _unique_bytes(tree) -> int:
 
 
 def _run_forward(model: nn.Module, args: tuple, kwargs: dict, recorder: StepRecorder):
+    kwargs = training_kwargs(model, kwargs) or kwargs  # as the applied model will run it
     try:
         return model(*args, **kwargs)
     except TraceError:
