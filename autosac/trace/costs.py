@@ -169,12 +169,17 @@ class CostModel:
         if is_view_op(func):
             return 0.0, 0
         flops = op_flops(func, args, kwargs, out)
+        understood = flops is not None or is_known_memory_bound(func)
         if flops is None:
             flops = 0
             if not is_known_memory_bound(func):
                 self.unknown_ops.add(str(func.overloadpacket))
         nbytes = op_bytes(args, kwargs, out)
         if self.spec.measured:
+            if not understood:
+                # an op we know nothing about may read its inputs as indices or
+                # workspaces (an RNN's backward): never run it on random data
+                return self.roofline_ms(flops, nbytes, _compute_dtype(args), local_cpu_spec()), flops
             return self._cpu_ms(func, args, kwargs, nbytes, flops), flops
         return self.roofline_ms(flops, nbytes, _compute_dtype(args), self.spec), flops
 
