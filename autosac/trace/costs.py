@@ -113,9 +113,9 @@ def transient_bytes(func, args) -> int:
     """Bytes an op allocates internally and frees before returning, invisible to
     the dispatcher: matmuls copy operands that are not BLAS-strided (e.g. the
     stride-0 gradient of a sum) into contiguous scratch; batch norm's backward
-    works in an input-sized scratch tensor and layer norm's backward copies
-    non-contiguous operands (CPU kernels, measured with the profiler's allocator
-    events)."""
+    works in an input-sized scratch tensor, layer norm's backward copies
+    non-contiguous operands, and foreach ops with a scalar wrap it in a tensor
+    (CPU kernels, measured with the profiler's allocator events)."""
     name = func.overloadpacket.__name__
     if name == "native_batch_norm_backward" and len(args) > 1 and isinstance(args[1], torch.Tensor):
         return tensor_bytes(args[1])
@@ -126,6 +126,9 @@ def transient_bytes(func, args) -> int:
         copies = sum(tensor_bytes(t) for t in (grad_out, inp) if isinstance(t, torch.Tensor) and not t.is_contiguous())
         rows = inp.numel() // max(1, inp.shape[-1]) if isinstance(inp, torch.Tensor) and inp.dim() else 0
         return copies + 4 * rows
+    if name.startswith("_foreach_") and any(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args):
+        # the CPU fallback wraps the scalar in a double tensor and casts it per tensor
+        return 12
     if name not in _MATMULS:
         return 0
     return sum(tensor_bytes(t) for t in args if isinstance(t, torch.Tensor) and not _blas_ready(t))

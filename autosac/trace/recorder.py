@@ -105,6 +105,9 @@ def run_op(func, args, kwargs):
 # Kernels whose outputs the meta kernel sizes unlike the real one (oneDNN's
 # RNN workspace): their output sizes are read off a real call on zeros.
 REAL_SIZE_OPS = frozenset({"mkldnn_rnn_layer"})
+# Kernels whose internal working memory depends on the kernel's own choices
+# (oneDNN's reorders in a convolution's backward): measured on a real call on zeros.
+PROBE_SCRATCH_OPS = frozenset({"convolution_backward"})
 # Kernels whose internal working memory is large and not modelled (yet).
 UNSEEN_SCRATCH_OPS = frozenset({"mkldnn_rnn_layer_backward"})
 _PROBE_CAP_BYTES = 256 << 20
@@ -113,22 +116,68 @@ _PROBE_CAP_BYTES = 256 << 20
 @dataclass(frozen=True)
 class _Zeros:
     shape: tuple
+    stride: tuple
     dtype: torch.dtype
+
+
+def _spec(x):
+    """A hashable stand-in for an op's arguments: tensors by shape, stride and dtype."""
+    if isinstance(x, torch.Tensor):
+        return _Zeros(tuple(x.shape), tuple(x.stride()), x.dtype)
+    if isinstance(x, (list, tuple)):
+        return tuple(_spec(v) for v in x)
+    return x
+
+
+def _real(x):
+    """Zeros (with the recorded strides) for each :class:`_Zeros` in ``x``."""
+    if isinstance(x, _Zeros):
+        return torch.empty_strided(x.shape, x.stride, dtype=x.dtype).zero_()
+    return [_real(v) for v in x] if isinstance(x, tuple) else x
 
 
 @lru_cache(maxsize=256)
 def _probe(func, args: tuple, kwargs: tuple) -> tuple[int, ...] | None:
-    def _real(x):
-        if isinstance(x, _Zeros):
-            return torch.zeros(x.shape, dtype=x.dtype)
-        return [_real(v) for v in x] if isinstance(x, tuple) else x
-
     try:
         with unset_fake_temporarily():
             out = func(*[_real(a) for a in args], **{k: _real(v) for k, v in kwargs})
         return tuple(t.untyped_storage().nbytes() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
     except Exception:  # noqa: BLE001 - no probe: keep the meta kernel's sizes
         return None
+
+
+@lru_cache(maxsize=512)
+def _probe_scratch(func, args: tuple, kwargs: tuple) -> int | None:
+    try:
+        with unset_fake_temporarily():
+            real_args = [_real(a) for a in args]
+            real_kwargs = {k: _real(v) for k, v in kwargs}
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+                out = func(*real_args, **real_kwargs)
+            del out
+        level = peak = 0
+        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+        for e in sorted(events, key=lambda e: e.start_ns()):
+            level += e.nbytes()
+            peak = max(peak, level)
+        made = sum(e.nbytes() for e in events if e.nbytes() > 0) - sum(-e.nbytes() for e in events if e.nbytes() < 0)
+        return max(0, peak - max(made, 0))
+    except Exception:  # noqa: BLE001 - no probe: keep the modelled scratch
+        return None
+
+
+def probed_scratch_bytes(func, args, kwargs, default: int) -> int:
+    """Working memory the real kernel allocates and frees inside one call (its
+    peak above what it returns), measured once per shape on zeros (inputs up to
+    256 MiB); ``default`` when it cannot be measured."""
+    tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+    if sum(t.numel() * t.element_size() for t in tensors) > _PROBE_CAP_BYTES:
+        return default
+    try:
+        found = _probe_scratch(func, _spec(tuple(args)), tuple(sorted((k, _spec(v)) for k, v in kwargs.items())))
+    except TypeError:
+        return default
+    return default if found is None else found
 
 
 def real_output_bytes(func, args, kwargs) -> tuple[int, ...] | None:
@@ -138,15 +187,8 @@ def real_output_bytes(func, args, kwargs) -> tuple[int, ...] | None:
     if sum(t.numel() * t.element_size() for t in tensors) > _PROBE_CAP_BYTES:
         return None
 
-    def spec(x):
-        if isinstance(x, torch.Tensor):
-            return _Zeros(tuple(x.shape), x.dtype)
-        if isinstance(x, (list, tuple)):
-            return tuple(spec(v) for v in x)
-        return x
-
     try:
-        return _probe(func, spec(tuple(args)), tuple(sorted((k, spec(v)) for k, v in kwargs.items())))
+        return _probe(func, _spec(tuple(args)), tuple(sorted((k, _spec(v)) for k, v in kwargs.items())))
     except TypeError:  # unhashable arguments
         return None
 
@@ -309,6 +351,8 @@ class StepRecorder(TorchDispatchMode):
         rec.random.append(is_random_op(func))
         rec.writes.append(writes and not view)
         scratch = transient_bytes(func, args)
+        if func.overloadpacket.__name__ in PROBE_SCRATCH_OPS:
+            scratch = probed_scratch_bytes(func, args, kwargs, scratch)
         if scratch:
             rec.transient[idx] = scratch
 
