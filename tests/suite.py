@@ -5,12 +5,10 @@ predict the peak within 3 % of an independent measurement."""
 
 from __future__ import annotations
 
-import copy
 import warnings
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_map
 
 import autosac
 from autosac.budget import parse_budget
@@ -59,18 +57,14 @@ def assert_same_step(ref, other, inputs, loss_fn=None) -> None:
             assert torch.equal(x[name], y[name]), (what, name)
 
 
-def budgets(stats, problem) -> list[tuple[str, int]]:
+def budgets(problem) -> list[tuple[str, int]]:
     least, _ = least_peak(problem)
-    out = []
-    for label in ("70%", "50%"):
-        b = parse_budget(label, problem.baseline_peak)
-        out.append((label, b))
-    out.append(("least", least))
-    return out
+    return [(label, parse_budget(label, problem.baseline_peak)) for label in ("70%", "50%")] + [("least", least)]
 
 
 def check_model(
-    name, build, loss_fn=None, target="a100", labels=("70%", "50%", "least"), expect_warning: str | None = None
+    name, build, loss_fn=None, target="a100", labels=("70%", "50%", "least"), expect_warning: str | None = None,
+    optimizer="sgd", tolerance: float = TOLERANCE,
 ) -> list[Row]:
     """Plan ``build()``'s model at each budget; check every promise; return the table rows.
 
@@ -79,10 +73,10 @@ def check_model(
     containing ``expect_warning``.
     """
     model, inputs = build()
-    stats = autosac.profile(model, inputs, loss_fn=loss_fn, target=target)
+    stats = autosac.profile(model, inputs, loss_fn=loss_fn, target=target, optimizer=optimizer)
     problem = build_problem(stats)
     rows = []
-    for label, budget in budgets(stats, problem):
+    for label, budget in budgets(problem):
         if label not in labels:
             continue
         try:
@@ -103,17 +97,13 @@ def check_model(
             warnings.simplefilter("ignore")
             fresh, inputs = build()
             autosac.apply(fresh, plan)
-            measured = autosac.measure(fresh, inputs, loss_fn=loss_fn, steps=1).peak_bytes
+            measured = autosac.measure(fresh, inputs, loss_fn=loss_fn, steps=1, optimizer=optimizer).peak_bytes
         rows.append(Row(name, label, plan.budget_bytes, plan.predicted_peak_bytes, measured, True,
                         f"{len(plan.decisions)} modules"))
         assert measured <= plan.budget_bytes, (name, label, measured, plan.budget_bytes)
-        assert abs(plan.predicted_peak_bytes - measured) <= TOLERANCE * measured, (
+        assert abs(plan.predicted_peak_bytes - measured) <= tolerance * measured, (
             name, label, plan.predicted_peak_bytes, measured)
     return rows
-
-
-def clone_inputs(inputs):
-    return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, inputs)
 
 
 def seeded(factory, seed: int = 0):
@@ -126,4 +116,4 @@ def seeded(factory, seed: int = 0):
     return build
 
 
-__all__ = ["Row", "assert_same_step", "check_model", "clone_inputs", "copy", "seeded", "training_step"]
+__all__ = ["Row", "assert_same_step", "check_model", "seeded", "training_step"]

@@ -79,6 +79,7 @@ def aggregate(
 
     # ---- saved ops: forward-made storages autograd keeps, grouped by producing op
     groups: dict[int, list[StorageRecord]] = defaultdict(list)
+    storage_ids = {id(r): i for i, r in enumerate(rec.storages)}
     for r in rec.storages:
         if r.kind == "act" and r.saver_stack is not None and r.producer >= 0 and r.nbytes > 0:
             groups[r.producer].append(r)
@@ -115,8 +116,11 @@ def aggregate(
         if op.param_cast:
             param_cast_bytes += nbytes
         else:
+            # a module cannot free what it returns: its caller holds it
+            ids = {storage_ids[id(r)] for r in recs}
             for fqn in scope_stack:
-                discardable[fqn].append(op.id)
+                if not ids & rec.output_storages.get(fqn, set()):
+                    discardable[fqn].append(op.id)
 
     # ---- module tree
     modules: dict[str, ModuleStats] = {}

@@ -68,6 +68,7 @@ class Recording:
     fw_post_order: list[str] = field(default_factory=list)
     io_bytes: dict[str, list[int]] = field(default_factory=dict)  # fqn -> [inputs, outputs]
     input_storages: dict[str, list[int]] = field(default_factory=dict)  # fqn -> storage records (first call)
+    output_storages: dict[str, set[int]] = field(default_factory=dict)  # fqn -> storage records it returned
     param_dtypes: dict[str, set[str]] = field(default_factory=dict)
     unknown_ops: set[str] = field(default_factory=set)
 

@@ -251,6 +251,8 @@ def _post_hook(recorder: StepRecorder, fqn: str):
         if recorder.phase == "forward":
             recorder.pop(fqn)
             recorder.rec.io_bytes[fqn][1] += _unique_bytes(output)
+            found = (recorder.index_of(t) for t in tree_leaves(output) if isinstance(t, torch.Tensor))
+            recorder.rec.output_storages.setdefault(fqn, set()).update(i for i in found if i is not None)
 
     return hook
 
