@@ -14,7 +14,7 @@ _PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-z]*|%)\s*$", re
 ACCEPTED = 'a string like "8GiB", "500MB", "60%" (of the unconstrained peak), an int of bytes, or a float of GiB'
 
 
-def parse_budget(budget: str | int | float, baseline_peak_bytes: int) -> int:
+def parse_budget(budget: str | int | float, baseline_peak_bytes: int, what: str = "budget") -> int:
     """Return the budget in bytes.
 
     Args:
@@ -22,6 +22,7 @@ def parse_budget(budget: str | int | float, baseline_peak_bytes: int) -> int:
             ``"60%"`` of ``baseline_peak_bytes``, an ``int`` of bytes, or a
             ``float`` of GiB (as PyTorch's ``sac_milp`` takes it).
         baseline_peak_bytes: the unconstrained peak, for percentages.
+        what: the name used in error messages (``"reserve"`` for headroom).
 
     Raises:
         ValueError: anything else, or a budget that is not positive, naming the accepted forms.
@@ -34,34 +35,35 @@ def parse_budget(budget: str | int | float, baseline_peak_bytes: int) -> int:
         500
     """
     if isinstance(budget, bool):
-        raise ValueError(f"budget {budget!r} is a bool: use {ACCEPTED}")
+        raise ValueError(f"{what} {budget!r} is a bool: use {ACCEPTED}")
     if isinstance(budget, int):
         value = budget
     elif isinstance(budget, float):
         if not math.isfinite(budget):
-            raise ValueError(f"budget {budget!r} is not finite: use {ACCEPTED}")
+            raise ValueError(f"{what} {budget!r} is not finite: use {ACCEPTED}")
         value = int(budget * 2**30)
     elif isinstance(budget, str):
         m = _PATTERN.match(budget)
         if not m or m.group(2).lower() not in (*_UNITS, "%"):
-            raise ValueError(f"cannot parse budget {budget!r}: use {ACCEPTED}")
+            raise ValueError(f"cannot parse {what} {budget!r}: use {ACCEPTED}")
         number, unit = float(m.group(1)), m.group(2).lower()
         if unit == "%":
             if number > 100:
-                raise ValueError(f"budget {budget!r} is over 100% of the unconstrained peak: nothing to plan")
+                raise ValueError(f"{what} {budget!r} is over 100% of the unconstrained peak: nothing to plan")
             value = int(baseline_peak_bytes * number / 100)
         else:
             value = int(number * _UNITS[unit])
     else:
-        raise ValueError(f"budget of type {type(budget).__name__} is not understood: use {ACCEPTED}")
+        raise ValueError(f"{what} of type {type(budget).__name__} is not understood: use {ACCEPTED}")
     if value <= 0:
-        raise ValueError(f"budget {budget!r} is not positive: use {ACCEPTED}")
+        raise ValueError(f"{what} {budget!r} is not positive: use {ACCEPTED}")
     return value
 
 
-def format_bytes(n: float) -> str:
-    """``1.50 GiB``-style rendering for tables and messages."""
+def format_bytes(n: float, exact: bool = False) -> str:
+    """``1.50 GiB``-style rendering for tables and messages; ``exact`` adds the byte count."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
+            text = f"{n / size:.2f} {unit}"
+            return f"{text} ({int(n):,} bytes)" if exact else text
     return f"{int(n)} B"

@@ -6,16 +6,12 @@ User mistakes end in one line on stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import warnings
 
 from autosac.budget import format_bytes, parse_budget
 from autosac.errors import InfeasibleBudgetError, SolveTimeoutError, StatsFormatError, TraceError
-
-
-class UserError(Exception):
-    """A mistake in the command line or its inputs: reported in one line."""
+from autosac.modelspec import UserError, build_from_spec
 
 
 def _model_options(p: argparse.ArgumentParser) -> None:
@@ -27,7 +23,17 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=_positive_int, default=1)
     p.add_argument("--optimizer", default="adamw")
     p.add_argument("--solver", default="cbc", choices=["cbc", "highs"])
-    p.add_argument("--time-limit", type=float, default=60.0)
+    p.add_argument("--time-limit", type=_positive_float, default=60.0, help="seconds for the solver")
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value:g} is not positive")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -38,53 +44,6 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not positive")
     return value
-
-
-def _parse_value(text: str):
-    for conv in (int, float):
-        try:
-            return conv(text)
-        except ValueError:
-            pass
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    return text
-
-
-def build_from_spec(spec: str, model_args: list[str], batch: int | None, seq: int | None, device: str = "meta"):
-    """(model, example_inputs) from a built-in name or ``package.module:factory``."""
-    kwargs = {}
-    for item in model_args:
-        if "=" not in item:
-            raise UserError(f"--model-arg {item!r} is not KEY=VALUE")
-        k, v = item.split("=", 1)
-        kwargs[k.strip()] = _parse_value(v.strip())
-    if ":" in spec:
-        mod_name, fn_name = spec.split(":", 1)
-        try:
-            factory = getattr(importlib.import_module(mod_name), fn_name)
-        except (ImportError, AttributeError) as e:
-            raise UserError(f"cannot load model factory {spec!r}: {e}") from None
-        try:
-            made = factory(**kwargs)
-        except Exception as e:  # noqa: BLE001 - the user's factory
-            raise UserError(f"model factory {spec!r} raised {type(e).__name__}: {e}") from None
-        if isinstance(made, tuple) and len(made) == 2:
-            return made
-        import torch
-
-        if not isinstance(made, torch.nn.Module):
-            raise UserError(f"model factory {spec!r} must return a model or (model, example_inputs)")
-        if batch is None or seq is None:
-            raise UserError(f"{spec!r} returned no example inputs: pass --batch and --seq (token ids)")
-        vocab = getattr(getattr(made, "cfg", None), "vocab", 2)
-        return made, torch.randint(0, vocab, (batch, seq), device=device)
-    from autosac.models import build_model
-
-    try:
-        return build_model(spec, batch=batch, seq=seq, device=device, **kwargs)
-    except (ValueError, TypeError) as e:
-        raise UserError(str(e)) from None
 
 
 def _profile(args):

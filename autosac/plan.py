@@ -152,7 +152,11 @@ class Plan:
             StatsFormatError: the file is not a valid plan.
             FileNotFoundError: no such file.
         """
-        return cls.from_json(Path(path).read_text())
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise StatsFormatError(f"{path} is not a plan: not UTF-8 text (a plan is the JSON Plan.save writes)") from None
+        return cls.from_json(text)
 
     def __str__(self) -> str:
         from autosac.report import plan_table

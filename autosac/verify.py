@@ -13,9 +13,9 @@ def verify_plan_file(args) -> int:
     with the plan applied, and print predicted vs measured.  Exit status 1 when
     the measured peak exceeds the plan's budget."""
     import autosac
-    from autosac.cli import build_from_spec
     from autosac.errors import PlanMismatchError
     from autosac.fingerprint import model_fingerprint
+    from autosac.modelspec import build_from_spec
     from autosac.plan import Plan
 
     plan = Plan.load(args.plan)

@@ -114,7 +114,7 @@ def test_cli_sweep_reuses_one_profile(capsys):
         (["plan", "--budget", "1KiB", "--model", "gpt-tiny"], "InfeasibleBudgetError: budget 1.00 KiB"),
         (["plan", "--budget", "50%", "--model", "nope"], "unknown built-in model 'nope'"),
         (["plan", "--budget", "50%", "--model", "gpt-tiny", "--model-arg", "layers=2"], "unknown GPTConfig field"),
-        (["plan", "--budget", "50%", "--model", "no.such.module:f"], "cannot load model factory"),
+        (["plan", "--budget", "50%", "--model", "no.such.module:f"], "cannot import .no.such.module."),
         (["plan", "--budget", "50%", "--model", "gpt-tiny", "--target", "tpu"], "unknown target 'tpu'"),
         (["verify", "/no/such/plan.json"], "No such file"),
         (["plan", "--budget", "50%", "--batch", "-3"], "is not positive"),
@@ -139,3 +139,73 @@ def test_llama_7b_planned_on_meta_in_ci():
     assert plan.predicted_peak_bytes <= 40 * 2**30
     assert plan.solver["status"] == "optimal"
     assert any(f.startswith("layers.") for f in plan.decisions)
+
+
+def test_binary_plan_file_is_one_clear_error(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_bytes(bytes(range(256)))
+    with pytest.raises(autosac.StatsFormatError, match="not UTF-8 text"):
+        Plan.load(path)
+
+
+def _cli_error(capsys, *argv) -> str:
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err, err
+    return err
+
+
+def test_model_arguments_are_checked_by_name(capsys):
+    common = ["plan", "--budget", "60%", "--model", "gpt-tiny"]
+    assert "GPTConfig.n_layer must be a whole number, got 'abc'" in _cli_error(capsys, *common, "--model-arg", "n_layer=abc")
+    assert "GPTConfig.n_layer must be positive, got 0" in _cli_error(capsys, *common, "--model-arg", "n_layer=0")
+    with pytest.raises(SystemExit):
+        main([*common, "--time-limit", "-1"])
+    assert "is not positive" in capsys.readouterr().err
+
+
+def test_model_module_that_does_not_import_is_one_line(tmp_path, monkeypatch, capsys):
+    (tmp_path / "broken_model.py").write_text("def build(:\n    pass\n")
+    (tmp_path / "plain_model.py").write_text(
+        "import torch\n\ndef build():\n    return torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 2))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    err = _cli_error(capsys, "plan", "--budget", "60%", "--model", "broken_model:build")
+    assert "cannot import 'broken_model'" in err and "SyntaxError" in err and "line 1" in err
+    err = _cli_error(capsys, "plan", "--budget", "60%", "--model", "plain_model:build", "--batch", "2", "--seq", "4")
+    assert "without a vocabulary size" in err and "return (model, example_inputs)" in err
+
+
+def test_reserve_errors_name_the_reserve():
+    model, idx = build_model("gpt-tiny", device="cpu", batch=2)
+    stats = autosac.profile(model, idx)
+    with pytest.raises(ValueError, match="cannot parse reserve 'lots'"):
+        autosac.solve(stats, "90%", reserve="lots")
+    with pytest.raises(ValueError, match="time_limit_s must be a positive number"):
+        autosac.solve(stats, "90%", time_limit_s=-1)
+
+
+def test_infeasible_message_tells_sizes_that_round_alike_apart():
+    from autosac.solver import least_peak
+    from autosac.solver.problem import build_problem
+
+    model, idx = build_model("gpt-tiny", device="cpu", batch=2)
+    stats = autosac.profile(model, idx)
+    least, _ = least_peak(build_problem(stats))
+    with pytest.raises(autosac.InfeasibleBudgetError, match=r"bytes\) is below the least reachable peak .* bytes\)"):
+        autosac.solve(stats, least - 1)
+
+
+def test_unapply_of_something_else_is_a_type_error():
+    with pytest.raises(TypeError, match="unapply needs an nn.Module, got str"):
+        autosac.unapply("x")
+
+
+def test_inputs_that_do_not_fit_raise_one_clear_error_without_log_noise(capfd):
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    with pytest.raises(autosac.TraceError, match="check that example_inputs fit"):
+        autosac.profile(model, torch.randn(4, 5))
+    out, err = capfd.readouterr()
+    assert "Traceback" not in err and "fake_tensor" not in err

@@ -28,6 +28,21 @@ BUILTIN: dict[str, tuple[type, object, int]] = {
 }
 
 
+def _check_field(config: str, name: str, value, default) -> None:
+    """A config override must have the field's type (ints for ints) and, if numeric, be positive
+    (``dropout`` may be 0)."""
+    kind = type(default)
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{config}.{name} must be true or false, got {value!r}")
+        return
+    if kind in (int, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+            raise ValueError(f"{config}.{name} must be {'a whole number' if kind is int else 'a number'}, got {value!r}")
+        if value < 0 or (value == 0 and name != "dropout"):
+            raise ValueError(f"{config}.{name} must be positive, got {value!r}")
+
+
 def build_model(
     name: str = "gpt2",
     *,
@@ -45,7 +60,7 @@ def build_model(
         overrides: config fields, e.g. ``n_layer=4, dim=512``.
 
     Raises:
-        ValueError: an unknown name or config field.
+        ValueError: an unknown name or config field, or a value of the wrong type or sign.
 
     Example::
 
@@ -61,6 +76,9 @@ def build_model(
         raise ValueError(f"unknown {type(cfg).__name__} field(s) {', '.join(bad)}: use {', '.join(sorted(known))}")
     if seq is not None:
         overrides["seq"] = seq
+    for field in dataclasses.fields(cfg):
+        if field.name in overrides:
+            _check_field(type(cfg).__name__, field.name, overrides[field.name], getattr(cfg, field.name))
     cfg = dataclasses.replace(cfg, **overrides)
     with torch.device(device):
         model = cls(cfg)

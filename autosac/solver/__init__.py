@@ -42,12 +42,14 @@ def solve_budget(
         raise ValueError(f"unknown solver {solver!r}: use one of {', '.join(BACKENDS)}")
     if not isinstance(stats, ModelStats):
         raise TypeError(f"solve_budget needs a ModelStats, got {type(stats).__name__}")
+    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0:
+        raise ValueError(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
     problem = build_problem(stats, max_choices)
     budget_bytes = parse_budget(budget, problem.baseline_peak)
     if reserve:
         if isinstance(reserve, str) and reserve.strip().endswith("%"):
             raise ValueError("reserve must be an absolute size like '2GiB', not a percentage")
-        budget_bytes -= parse_budget(reserve, problem.baseline_peak)
+        budget_bytes -= parse_budget(reserve, problem.baseline_peak, what="reserve")
         if budget_bytes <= 0:
             raise ValueError("reserve is not smaller than the budget: nothing left to plan for")
     return solve_stats(stats, budget_bytes, solver=solver, time_limit_s=time_limit_s, max_choices=max_choices,
@@ -95,8 +97,8 @@ def solve_stats(
         best_peak, best_choice = least
         if best_peak > budget_bytes:
             raise InfeasibleBudgetError(
-                f"budget {format_bytes(budget_bytes)} is below the least reachable peak "
-                f"{format_bytes(best_peak)}: raise the budget to at least that",
+                f"budget {_pair(budget_bytes, best_peak)[0]} is below the least reachable peak "
+                f"{_pair(budget_bytes, best_peak)[1]}: raise the budget to at least that",
                 min_feasible_bytes=best_peak,
             )
         return _make_plan(stats, problem, best_choice, budget_bytes, {**_info(sol), "status": "time_limit_fallback"})
@@ -159,6 +161,12 @@ def least_peak(
         return None
     choice = decode(milp, sol.x)
     return problem.evaluate(choice), choice
+
+
+def _pair(a: int, b: int) -> tuple[str, str]:
+    """Two sizes for one message, with byte counts where the short forms look alike."""
+    exact = format_bytes(a) == format_bytes(b)
+    return format_bytes(a, exact), format_bytes(b, exact)
 
 
 def _trivial(backend: str) -> dict:

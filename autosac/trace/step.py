@@ -8,6 +8,7 @@ forward, loss, backward and the optimizer step run under a :class:`StepRecorder`
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -96,7 +97,7 @@ def trace_step(
     before = capture(model, real_args, real_kwargs)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
-        with fake_parameters(model, mode), mode:
+        with _fake_tensor_log_quiet(), fake_parameters(model, mode), mode:
             args, kwargs = tree_map(_trace_input, (real_args, real_kwargs))
             step = _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model)
             if before.grew():
@@ -104,6 +105,20 @@ def trace_step(
     finally:
         before.install()
     return step
+
+
+@contextmanager
+def _fake_tensor_log_quiet():
+    """FakeTensorMode logs a traceback for every op that raises before the
+    error reaches us; the trace turns those errors into one clear TraceError,
+    so that log is silenced while (and only while) the trace runs."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    before = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = before
 
 
 def _trace_input(x):
