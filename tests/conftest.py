@@ -1,8 +1,11 @@
 import os
+import tempfile
 
 import torch
 
 # Deterministic, single-threaded CPU math: equal results run to run, and the
 # suite leaves the machine's second core to the other process.
 torch.manual_seed(0)
+# ``target="cpu"`` timings are kept per machine; the suite keeps its own, in a temporary folder
+os.environ.setdefault("AUTOSAC_CACHE_DIR", tempfile.mkdtemp(prefix="autosac-test-cache-"))
 torch.set_num_threads(int(os.environ.get("AUTOSAC_TEST_THREADS", "1")))

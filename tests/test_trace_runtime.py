@@ -78,3 +78,29 @@ def test_op_without_flop_formula_warns_once_and_counts_memory_bound():
 def test_unknown_target_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown target 'tpu'"):
         autosac.profile(nn.Linear(2, 2), torch.randn(1, 2), target="tpu")
+
+
+def test_cpu_target_gives_the_same_plan_in_every_process(tmp_path):
+    """``target="cpu"`` times ops for real; the timings are kept per machine,
+    so a second process (and a second profile) plans exactly the same."""
+    import subprocess
+    import sys
+
+    script = (
+        "import autosac, torch\n"
+        "from autosac.models import build_model\n"
+        "torch.manual_seed(0)\n"
+        "m, idx = build_model('gpt2', n_layer=3, dim=64, n_head=4, seq=64, vocab=128, device='cpu', batch=4)\n"
+        "s = autosac.profile(m, idx, target='cpu')\n"
+        "p = autosac.solve(s, '70%')\n"
+        "print(repr((s.step_ms, sorted(p.decisions.items()), p.recompute_ms)))\n"
+    )
+    env = {**__import__("os").environ, "AUTOSAC_CACHE_DIR": str(tmp_path)}
+    runs = [
+        subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+        for _ in range(2)
+    ]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:]
+    first, second = (r.stdout.strip().splitlines()[-1] for r in runs)
+    assert first == second
+    assert list(tmp_path.glob("cpu-timings-*.json"))

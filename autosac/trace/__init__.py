@@ -72,7 +72,10 @@ def profile(
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     cost = CostModel(spec)
-    step = trace_step(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, cost_model=cost)
+    try:
+        step = trace_step(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, cost_model=cost)
+    finally:
+        cost.finish()
     unseen = sorted(set(step.recording.ops) & UNSEEN_SCRATCH_OPS)
     if unseen:
         warnings.warn(

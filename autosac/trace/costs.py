@@ -3,8 +3,9 @@
 On a GPU target the time is a roofline: the slower of compute (FLOPs over the
 dtype's dense rate) and memory traffic (bytes over bandwidth), each scaled by
 the device's efficiency.  On ``cpu`` ops are timed for real with random tensors
-of the traced shapes, cached per op and shape; ops too large to materialise use
-a CPU roofline calibrated once on this machine.
+of the traced shapes, once per op and shape on this machine
+(:mod:`autosac.trace.timings`); ops too large to materialise, and ops whose
+inputs may be indices or workspaces, use a CPU roofline calibrated once.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from autosac.devices import DeviceSpec
 from autosac.opkinds import is_view_op
+from autosac.trace.timings import TimingCache
 
 aten = torch.ops.aten
 
@@ -165,7 +167,7 @@ class CostModel:
         self.spec = spec
         self.cpu_size_cap_bytes = cpu_size_cap_bytes
         self.unknown_ops: set[str] = set()
-        self._cpu_cache: dict[tuple, float] = {}
+        self._timings = TimingCache() if spec.measured else None
 
     def op_ms(self, func, args, kwargs, out) -> tuple[float, int]:
         """(milliseconds, FLOPs) of one op call on the target; views cost nothing."""
@@ -196,13 +198,20 @@ class CostModel:
     def _cpu_ms(self, func, args, kwargs, nbytes: int, flops: int) -> float:
         if nbytes > self.cpu_size_cap_bytes:
             return self.roofline_ms(flops, nbytes, _compute_dtype(args), local_cpu_spec())
-        key = (str(func), _shape_key((args, kwargs)))
-        if key not in self._cpu_cache:
+        key = repr((str(func), _shape_key((args, kwargs))))
+        ms = self._timings.get(key)
+        if ms is None:
             try:
-                self._cpu_cache[key] = _time_real(func, args, kwargs)
+                ms = _time_real(func, args, kwargs)
             except Exception:  # noqa: BLE001 - data-dependent ops can fail on random data
-                self._cpu_cache[key] = self.roofline_ms(flops, nbytes, _compute_dtype(args), local_cpu_spec())
-        return self._cpu_cache[key]
+                ms = self.roofline_ms(flops, nbytes, _compute_dtype(args), local_cpu_spec())
+            self._timings.put(key, ms)
+        return ms
+
+    def finish(self) -> None:
+        """Keep this profile's new timings for the next one (``target="cpu"``)."""
+        if self._timings is not None:
+            self._timings.save()
 
 
 def _shape_key(tree) -> tuple:
@@ -244,9 +253,14 @@ def _time_real(func, args, kwargs, repeats: int = 3) -> float:
 
 @lru_cache(maxsize=1)
 def local_cpu_spec() -> DeviceSpec:
-    """A roofline for this CPU, calibrated once with a float32 matmul and a copy."""
+    """A roofline for this CPU, calibrated once with a float32 matmul and a copy
+    (kept with the op timings, so it is the same in every process)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    timings = TimingCache()
+    flops, bandwidth = timings.get("roofline-flops"), timings.get("roofline-bandwidth")
+    if flops is not None and bandwidth is not None:
+        return DeviceSpec("cpu-roofline", {"float32": flops}, bandwidth, compute_efficiency=1.0, memory_efficiency=1.0)
     with unset_fake_temporarily():
         a = torch.randn(512, 512)
         torch.mm(a, a)
@@ -260,4 +274,7 @@ def local_cpu_spec() -> DeviceSpec:
         for _ in range(5):
             x.clone()
         bandwidth = 5 * 2 * x.numel() / (time.perf_counter() - t0)
+    timings.put("roofline-flops", flops)
+    timings.put("roofline-bandwidth", bandwidth)
+    timings.save()
     return DeviceSpec("cpu-roofline", {"float32": flops}, bandwidth, compute_efficiency=1.0, memory_efficiency=1.0)
