@@ -15,6 +15,7 @@ def verify_plan_file(args) -> int:
     import autosac
     from autosac.errors import PlanMismatchError
     from autosac.fingerprint import model_fingerprint
+    from autosac.inputs import format_signature, input_signature, split_inputs
     from autosac.modelspec import build_from_spec
     from autosac.plan import Plan
 
@@ -23,6 +24,12 @@ def verify_plan_file(args) -> int:
     if model_fingerprint(model) != plan.fingerprint:
         raise PlanMismatchError(
             f"{args.plan} was made for another model ({plan.model} {plan.fingerprint}): pass the same model options"
+        )
+    found = input_signature(*split_inputs(inputs))
+    if plan.input_shapes and found != plan.input_shapes:
+        raise PlanMismatchError(
+            f"{args.plan} was made for inputs {format_signature(plan.input_shapes)}, not {format_signature(found)}: "
+            "pass the --batch and --seq it was planned with (its budget holds only for those)"
         )
     model, inputs = build_from_spec(args.model, args.model_arg, args.batch, args.seq, device="cpu")
     baseline = autosac.measure(copy.deepcopy(model), inputs, steps=args.steps, optimizer=plan.optimizer)

@@ -209,3 +209,15 @@ def test_inputs_that_do_not_fit_raise_one_clear_error_without_log_noise(capfd):
         autosac.profile(model, torch.randn(4, 5))
     out, err = capfd.readouterr()
     assert "Traceback" not in err and "fake_tensor" not in err
+
+
+def test_verify_runs_the_plan_and_refuses_other_shapes(tmp_path, capsys):
+    path = str(tmp_path / "p.json")
+    common = ["--model", "gpt-tiny", "--batch", "2", "--seq", "64", "--target", "cpu"]
+    assert main(["plan", *common, "--budget", "85%", "--json", path]) == 0
+    capsys.readouterr()
+    assert main(["verify", path, *common, "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "peak, with the plan" in out and "kept" in out
+    err = _cli_error(capsys, "verify", path, "--model", "gpt-tiny", "--batch", "4", "--seq", "64")
+    assert "made for inputs args[0] (2, 64) int64, not args[0] (4, 64) int64" in err
