@@ -47,6 +47,10 @@ class ModuleStats:
     """Per-module memory, runtime and recompute tradeoff (bytes and ms).
 
     ``*_total`` fields cover the module's whole subtree; others the module alone.
+    A module called more than once per step (a shared block) has one forward
+    window per call and, in ``bw_windows``, the backward span of each call's
+    nodes; per-call figures (``discardable_bytes``, ``tradeoff``, ...) describe
+    its first call, and ``*_calls`` lists give the others.
     ``tradeoff`` is the exact convex curve of ``[bytes discarded, ms of the
     discarded ops]`` points from ``[0, 0]``, cheapest ms/byte first (the solver
     prices a choice by everything its replay must compute, from the op graph in
@@ -88,6 +92,9 @@ class ModuleStats:
     retained_input_bytes: int  # inputs a checkpoint keeps alive that would die before its backward
     cache_holds: list[list[int]] = field(default_factory=list)  # [op event, bytes]: see above
     outside_write_bytes: int = 0  # written in place but made before the call: kept as they were until the replay
+    bw_windows: list = field(default_factory=list)  # per forward call: [first, last] backward event of its nodes
+    retained_input_calls: list[int] = field(default_factory=list)  # retained_input_bytes per call
+    outside_write_calls: list[int] = field(default_factory=list)  # outside_write_bytes per call
     saved_op_ids: list[int] = field(default_factory=list)
     discardable_bytes: int = 0
     tradeoff: list[list[float]] = field(default_factory=list)

@@ -4,7 +4,9 @@ each module's exact recompute tradeoff curve."""
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -31,6 +33,27 @@ def _order(keys: dict[str, int]) -> dict[str, int]:
     return {fqn: i for i, fqn in enumerate(sorted(keys, key=keys.__getitem__))}
 
 
+@dataclass
+class _Saved:
+    """The saved ops of a step and what each module may discard of them."""
+
+    ops: list[SavedOp]
+    groups: dict[int, list[StorageRecord]]
+    own: dict[str, int]
+    total: dict[str, int]
+    discardable: dict[str, list[int]]
+    param_cast_bytes: int
+
+
+@dataclass
+class _Times:
+    fw_ms: dict[str, float]
+    bw_ms: dict[str, float]
+    bw_first: dict[str, int]
+    bw_last: dict[str, int]
+    phases: dict[str, float]
+
+
 def aggregate(
     step: TracedStep,
     *,
@@ -41,156 +64,27 @@ def aggregate(
     optimizer: str,
     versions: dict[str, str],
 ) -> ModelStats:
+    """Plain statistics of one traced step (see :class:`ModelStats`)."""
     rec = step.recording
     n = len(rec.ops)
-    live = _live_timeline(rec.storages, n)
-    made = np.zeros(n, dtype=np.int64)
-    for r in rec.storages:
-        if 0 <= r.created < n and (r.freed is None or r.freed > r.created):
-            made[r.created] += r.nbytes
-    for ev, scratch in rec.transient.items():
-        live[ev] += scratch
-        made[ev] += scratch
+    live, made = _memory_timeline(rec)
     peak_event = int(np.argmax(live)) if n else 0
     peak_bytes = int(live[peak_event]) if n else sum(r.nbytes for r in rec.storages if r.created < 0)
-
-    breakdown: dict[str, int] = defaultdict(int)
-    for r in rec.storages:
-        if max(r.created, 0) <= peak_event < (r.freed if r.freed is not None else n):
-            breakdown[r.kind] += r.nbytes
-    if rec.transient.get(peak_event):
-        breakdown["scratch"] = rec.transient[peak_event]
-
-    # ---- per-module runtime and windows
-    fw_ms: dict[str, float] = defaultdict(float)
-    bw_ms: dict[str, float] = defaultdict(float)
-    bw_first: dict[str, int] = {}
-    bw_last: dict[str, int] = {}
-    for i in range(n):
-        phase, stack, ms = rec.phases[i], rec.stacks[i], rec.ms[i]
-        if phase == "forward":
-            for fqn in stack:
-                fw_ms[fqn] += ms
-        elif phase == "backward":
-            for fqn in stack:
-                bw_ms[fqn] += ms
-                bw_first.setdefault(fqn, i)
-                bw_last[fqn] = i
-
-    # ---- saved ops: forward-made storages autograd keeps, grouped by producing op
-    groups: dict[int, list[StorageRecord]] = defaultdict(list)
-    storage_ids = {id(r): i for i, r in enumerate(rec.storages)}
-    for r in rec.storages:
-        if r.kind == "act" and r.saver_stack is not None and r.producer >= 0 and r.nbytes > 0:
-            groups[r.producer].append(r)
-    saved_ops: list[SavedOp] = []
-    own_saved: dict[str, int] = defaultdict(int)
-    total_saved: dict[str, int] = defaultdict(int)
-    discardable: dict[str, list[int]] = defaultdict(list)
-    param_cast_bytes = 0
-    for ev in sorted(groups):
-        stack = rec.stacks[ev]
-        recs = groups[ev]
-        nbytes = sum(r.nbytes for r in recs)
-        writers = sorted({w for r in recs for w in r.writers})
-        chain = [ev, *writers]
-        scope_stack = stack
-        for r in recs:
-            scope_stack = common_prefix(scope_stack, r.saver_stack)
-        for w in writers:
-            scope_stack = common_prefix(scope_stack, rec.stacks[w])
-        for fqn in stack:
-            total_saved[fqn] += nbytes
-        if stack:
-            own_saved[stack[-1]] += nbytes
-        if not scope_stack:
-            continue  # saved across the model boundary (e.g. the loss): nothing inside can discard it
-        op = SavedOp(
-            id=len(saved_ops), op=rec.ops[ev], module=stack[-1], scope=scope_stack[-1], event=ev,
-            freed_event=max(r.freed for r in recs), bytes=nbytes, ms=sum(rec.ms[i] for i in chain),
-            random=any(rec.random[i] for i in chain), view=any(r.saved_as_view for r in recs),
-            inplace=bool(writers), param_cast=any(r.param_cast for r in recs), writer_events=writers,
-            savers=sorted({st[-1] for r in recs for st in r.saver_stacks if st}),
-        )
-        saved_ops.append(op)
-        if op.param_cast:
-            param_cast_bytes += nbytes
-        else:
-            # a module cannot free what it returns: its caller holds it
-            ids = {storage_ids[id(r)] for r in recs}
-            for fqn in scope_stack:
-                if not ids & rec.output_storages.get(fqn, set()):
-                    discardable[fqn].append(op.id)
-
-    # ---- module tree
-    modules: dict[str, ModuleStats] = {}
-    fw_pre = {}
-    for i, fqn in enumerate(rec.fw_pre_order):
-        fw_pre.setdefault(fqn, i)
-    fw_post = {}
-    for i, fqn in enumerate(rec.fw_post_order):
-        fw_post.setdefault(fqn, i)
-    fw_pre_pos, fw_post_pos = _order(fw_pre), _order(fw_post)
-    bw_pre_pos, bw_post_pos = _order(bw_first), _order(bw_last)
-    parent_of = {c: p for p, cs in step.module_children.items() for c in cs}
-    param_own: dict[str, list] = defaultdict(list)
-    for ps in step.params.values():
-        param_own[ps.module].append(ps)
-    kept = _kept_events(rec, saved_ops, groups)
-    work, profiles, cache_holds = _recompute_work(rec, kept, bw_first)
-
-    for fqn, mtype in step.module_types.items():
-        stack = stack_of(fqn)
-        sub_params = [ps for m in stack_subtree(fqn, step.module_children) for ps in param_own[m]]
-        ids = discardable.get(fqn, [])
-        bw = [bw_first[fqn], bw_last[fqn]] if fqn in bw_first else None
-        act_grad = 0
-        if bw is not None:
-            before = int(live[bw[0] - 1]) if bw[0] > 0 else 0
-            act_grad = max(0, int(live[bw[0] : bw[1] + 1].max()) - before)
-        io = rec.io_bytes.get(fqn, [0, 0])
-        modules[fqn] = ModuleStats(
-            fqn=fqn, type=mtype, parent=parent_of.get(fqn), children=list(step.module_children[fqn]),
-            depth=len(stack) - 1, calls=len(rec.fw_windows.get(fqn, [])),
-            fw_pre_order=fw_pre_pos.get(fqn, -1), fw_post_order=fw_post_pos.get(fqn, -1),
-            bw_pre_order=bw_pre_pos.get(fqn, -1), bw_post_order=bw_post_pos.get(fqn, -1),
-            fw_windows=[list(w) for w in rec.fw_windows.get(fqn, [])], bw_window=bw,
-            param_bytes=sum(ps.bytes for ps in param_own[fqn]),
-            param_bytes_total=sum(ps.bytes for ps in sub_params),
-            grad_bytes_total=sum(ps.grad_bytes for ps in sub_params),
-            optimizer_bytes_total=sum(ps.optimizer_bytes for ps in sub_params),
-            saved_bytes=own_saved.get(fqn, 0), saved_bytes_total=total_saved.get(fqn, 0),
-            act_grad_bytes=act_grad, input_bytes=io[0], output_bytes=io[1],
-            fw_ms=fw_ms.get(fqn, 0.0), bw_ms=bw_ms.get(fqn, 0.0),
-            recompute_work_bytes=work.get(fqn, 0),
-            recompute_profile=profiles.get(fqn, []),
-            retained_input_bytes=sum(
-                rec.storages[i].nbytes for i in rec.input_storages.get(fqn, ())
-                if rec.storages[i].kind in ("act", "temp") and bw is not None and rec.storages[i].freed <= bw[0]
-            ),
-            outside_write_bytes=_outside_writes(rec, rec.fw_windows.get(fqn, [])),
-            saved_op_ids=ids, discardable_bytes=sum(saved_ops[i].bytes for i in ids),
-            cache_holds=sorted([e, b] for e, b in cache_holds.get(fqn, {}).items()),
-        )
-        curve = exact_curve([(saved_ops[i].bytes, saved_ops[i].ms) for i in ids])
-        modules[fqn].tradeoff = curve
-        modules[fqn].tradeoff_exact_points = len(curve)
-
-    phases_ms: dict[str, float] = defaultdict(float)
-    for phase, ms in zip(rec.phases, rec.ms):
-        phases_ms[phase] += ms
+    times = _module_times(rec)
+    saved = _saved_ops(rec)
+    modules = _module_stats(step, live, times, saved)
     return ModelStats(
         model=model_name, fingerprint=fingerprint, target=target, world_size=world_size,
         optimizer=optimizer, peak_bytes=peak_bytes, peak_event=peak_event,
         peak_module=(rec.stacks[peak_event][-1] if n and rec.stacks[peak_event] else None),
-        peak_phase=rec.phases[peak_event] if n else "forward", peak_breakdown=dict(breakdown),
+        peak_phase=rec.phases[peak_event] if n else "forward", peak_breakdown=_breakdown(rec, peak_event),
         param_bytes=sum(ps.bytes for ps in step.params.values()), buffer_bytes=step.buffer_bytes,
         grad_bytes=sum(ps.grad_bytes for ps in step.params.values()),
         optimizer_bytes=sum(ps.optimizer_bytes for ps in step.params.values()),
-        input_bytes=step.input_bytes, param_cast_bytes=param_cast_bytes,
-        step_ms=float(sum(rec.ms)), forward_ms=phases_ms["forward"] + phases_ms["loss"],
-        backward_ms=phases_ms["backward"], optimizer_ms=phases_ms["optimizer"],
-        root="", modules=modules, params=step.params, saved_ops=saved_ops,
+        input_bytes=step.input_bytes, param_cast_bytes=saved.param_cast_bytes,
+        step_ms=float(sum(rec.ms)), forward_ms=times.phases["forward"] + times.phases["loss"],
+        backward_ms=times.phases["backward"], optimizer_ms=times.phases["optimizer"],
+        root="", modules=modules, params=step.params, saved_ops=saved.ops,
         timeline=Timeline(
             ops=list(rec.ops), phases=list(rec.phases),
             modules=[s[-1] if s else None for s in rec.stacks],
@@ -204,13 +98,190 @@ def aggregate(
     )
 
 
-def _outside_writes(rec, windows) -> int:
-    """Bytes the first forward call writes in place into tensors made before it
+def _memory_timeline(rec) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes alive at each event (op scratch included), and bytes each event allocates."""
+    n = len(rec.ops)
+    live = _live_timeline(rec.storages, n)
+    made = np.zeros(n, dtype=np.int64)
+    for r in rec.storages:
+        if 0 <= r.created < n and (r.freed is None or r.freed > r.created):
+            made[r.created] += r.nbytes
+    for ev, scratch in rec.transient.items():
+        live[ev] += scratch
+        made[ev] += scratch
+    return live, made
+
+
+def _breakdown(rec, peak_event: int) -> dict[str, int]:
+    """Bytes alive at the peak, by kind (param, grad, act, ... and op scratch)."""
+    n = len(rec.ops)
+    out: dict[str, int] = defaultdict(int)
+    for r in rec.storages:
+        if max(r.created, 0) <= peak_event < (r.freed if r.freed is not None else n):
+            out[r.kind] += r.nbytes
+    if rec.transient.get(peak_event):
+        out["scratch"] = rec.transient[peak_event]
+    return dict(out)
+
+
+def _module_times(rec) -> _Times:
+    """Per module forward and backward ms, and its backward's first and last event."""
+    t = _Times(defaultdict(float), defaultdict(float), {}, {}, defaultdict(float))
+    for i, (phase, stack, ms) in enumerate(zip(rec.phases, rec.stacks, rec.ms)):
+        t.phases[phase] += ms
+        if phase == "forward":
+            for fqn in stack:
+                t.fw_ms[fqn] += ms
+        elif phase == "backward":
+            for fqn in stack:
+                t.bw_ms[fqn] += ms
+                t.bw_first.setdefault(fqn, i)
+                t.bw_last[fqn] = i
+    return t
+
+
+def _saved_ops(rec) -> _Saved:
+    """Forward-made storages autograd keeps, grouped by the op that made them,
+    and for each module the ones it may discard: those saved and written only
+    inside it, and not among what it returns (its caller holds those)."""
+    groups: dict[int, list[StorageRecord]] = defaultdict(list)
+    storage_ids = {id(r): i for i, r in enumerate(rec.storages)}
+    for r in rec.storages:
+        if r.kind == "act" and r.saver_stack is not None and r.producer >= 0 and r.nbytes > 0:
+            groups[r.producer].append(r)
+    out = _Saved([], groups, defaultdict(int), defaultdict(int), defaultdict(list), 0)
+    for ev in sorted(groups):
+        stack, recs = rec.stacks[ev], groups[ev]
+        nbytes = sum(r.nbytes for r in recs)
+        writers = sorted({w for r in recs for w in r.writers})
+        chain = [ev, *writers]
+        scope_stack = stack
+        for r in recs:
+            scope_stack = common_prefix(scope_stack, r.saver_stack)
+        for w in writers:
+            scope_stack = common_prefix(scope_stack, rec.stacks[w])
+        for fqn in stack:
+            out.total[fqn] += nbytes
+        if stack:
+            out.own[stack[-1]] += nbytes
+        if not scope_stack:
+            continue  # saved across the model boundary (e.g. the loss): nothing inside can discard it
+        op = SavedOp(
+            id=len(out.ops), op=rec.ops[ev], module=stack[-1], scope=scope_stack[-1], event=ev,
+            freed_event=max(r.freed for r in recs), bytes=nbytes, ms=sum(rec.ms[i] for i in chain),
+            random=any(rec.random[i] for i in chain), view=any(r.saved_as_view for r in recs),
+            inplace=bool(writers), param_cast=any(r.param_cast for r in recs), writer_events=writers,
+            savers=sorted({st[-1] for r in recs for st in r.saver_stacks if st}),
+        )
+        out.ops.append(op)
+        if op.param_cast:
+            out.param_cast_bytes += nbytes
+            continue
+        ids = {storage_ids[id(r)] for r in recs}
+        for fqn in scope_stack:
+            if not ids & rec.output_storages.get(fqn, set()):
+                out.discardable[fqn].append(op.id)
+    return out
+
+
+def _call_bw_windows(rec, fqn: str, windows: list, times: _Times) -> list[list[int] | None]:
+    """Per forward call, the first and last backward event of the autograd
+    nodes that call created (a module called once: its whole backward)."""
+    if len(windows) <= 1:
+        return [[times.bw_first[fqn], times.bw_last[fqn]] if fqn in times.bw_first else None for _ in windows]
+    spans: list[list[int] | None] = [None] * len(windows)
+    starts = [w[0] for w in windows]
+    for e, origin in rec.origins.items():
+        if fqn not in rec.stacks[e]:
+            continue
+        j = bisect.bisect_right(starts, origin) - 1
+        if j < 0 or not windows[j][0] <= origin < windows[j][1]:
+            continue
+        span = spans[j]
+        spans[j] = [e, e] if span is None else [min(span[0], e), max(span[1], e)]
+    return spans
+
+
+def _module_stats(step: TracedStep, live: np.ndarray, times: _Times, saved: _Saved) -> dict[str, ModuleStats]:
+    rec = step.recording
+    fw_pre: dict[str, int] = {}
+    for i, fqn in enumerate(rec.fw_pre_order):
+        fw_pre.setdefault(fqn, i)
+    fw_post: dict[str, int] = {}
+    for i, fqn in enumerate(rec.fw_post_order):
+        fw_post.setdefault(fqn, i)
+    fw_pre_pos, fw_post_pos = _order(fw_pre), _order(fw_post)
+    bw_pre_pos, bw_post_pos = _order(times.bw_first), _order(times.bw_last)
+    parent_of = {c: p for p, cs in step.module_children.items() for c in cs}
+    param_own: dict[str, list] = defaultdict(list)
+    for ps in step.params.values():
+        param_own[ps.module].append(ps)
+    kept = _kept_events(rec, saved.ops, saved.groups)
+    work, profiles, cache_holds = _recompute_work(rec, kept, times.bw_first)
+    modules: dict[str, ModuleStats] = {}
+    for fqn, mtype in step.module_types.items():
+        stack = stack_of(fqn)
+        sub_params = [ps for m in stack_subtree(fqn, step.module_children) for ps in param_own[m]]
+        ids = saved.discardable.get(fqn, [])
+        windows = [list(w) for w in rec.fw_windows.get(fqn, [])]
+        bw = [times.bw_first[fqn], times.bw_last[fqn]] if fqn in times.bw_first else None
+        bw_calls = _call_bw_windows(rec, fqn, windows, times)
+        act_grad = 0
+        if bw is not None:
+            before = int(live[bw[0] - 1]) if bw[0] > 0 else 0
+            act_grad = max(0, int(live[bw[0] : bw[1] + 1].max()) - before)
+        io = rec.io_bytes.get(fqn, [0, 0])
+        retained = [
+            _retained_inputs(rec, inputs, span)
+            for inputs, span in zip(rec.input_storages.get(fqn, []), bw_calls)
+        ]
+        outside = [_outside_writes(rec, w) for w in windows]
+        curve = exact_curve([(saved.ops[i].bytes, saved.ops[i].ms) for i in ids if _in_first(saved.ops[i], windows)])
+        modules[fqn] = ModuleStats(
+            fqn=fqn, type=mtype, parent=parent_of.get(fqn), children=list(step.module_children[fqn]),
+            depth=len(stack) - 1, calls=len(windows),
+            fw_pre_order=fw_pre_pos.get(fqn, -1), fw_post_order=fw_post_pos.get(fqn, -1),
+            bw_pre_order=bw_pre_pos.get(fqn, -1), bw_post_order=bw_post_pos.get(fqn, -1),
+            fw_windows=windows, bw_window=bw, bw_windows=bw_calls,
+            param_bytes=sum(ps.bytes for ps in param_own[fqn]),
+            param_bytes_total=sum(ps.bytes for ps in sub_params),
+            grad_bytes_total=sum(ps.grad_bytes for ps in sub_params),
+            optimizer_bytes_total=sum(ps.optimizer_bytes for ps in sub_params),
+            saved_bytes=saved.own.get(fqn, 0), saved_bytes_total=saved.total.get(fqn, 0),
+            act_grad_bytes=act_grad, input_bytes=io[0], output_bytes=io[1],
+            fw_ms=times.fw_ms.get(fqn, 0.0), bw_ms=times.bw_ms.get(fqn, 0.0),
+            recompute_work_bytes=work.get(fqn, 0),
+            recompute_profile=profiles.get(fqn, []),
+            retained_input_bytes=retained[0] if retained else 0, retained_input_calls=retained,
+            outside_write_bytes=outside[0] if outside else 0, outside_write_calls=outside,
+            saved_op_ids=ids, discardable_bytes=sum(saved.ops[i].bytes for i in ids if _in_first(saved.ops[i], windows)),
+            cache_holds=sorted([e, b] for e, b in cache_holds.get(fqn, {}).items()),
+            tradeoff=curve, tradeoff_exact_points=len(curve),
+        )
+    return modules
+
+
+def _in_first(op: SavedOp, windows: list) -> bool:
+    """Whether ``op`` ran in the module's first call (per-call figures describe that call)."""
+    return not windows or windows[0][0] <= op.event < windows[0][1]
+
+
+def _retained_inputs(rec, inputs: list[int], bw_span) -> int:
+    """Bytes of one call's inputs that a checkpoint keeps alive although the
+    unmodified step frees them before that call's backward."""
+    if bw_span is None:
+        return 0
+    return sum(
+        rec.storages[i].nbytes for i in inputs
+        if rec.storages[i].kind in ("act", "temp") and rec.storages[i].freed <= bw_span[0]
+    )
+
+
+def _outside_writes(rec, window) -> int:
+    """Bytes one forward call writes in place into tensors made before it
     (buffers, parameters, inputs): a checkpoint keeps their prior values until
     its replay, so that the replay does not write them again."""
-    if not windows:
-        return 0
-    start, end = windows[0]
+    start, end = window
     return sum(b for e, items in rec.written.items() if start <= e < end for p, b in items if p < start)
 
 

@@ -67,7 +67,8 @@ class Recording:
     fw_pre_order: list[str] = field(default_factory=list)
     fw_post_order: list[str] = field(default_factory=list)
     io_bytes: dict[str, list[int]] = field(default_factory=dict)  # fqn -> [inputs, outputs]
-    input_storages: dict[str, list[int]] = field(default_factory=dict)  # fqn -> storage records (first call)
+    input_storages: dict[str, list[list[int]]] = field(default_factory=dict)  # fqn -> per call, storage records
+    origins: dict[int, int] = field(default_factory=dict)  # backward event -> forward event that made its node
     output_storages: dict[str, set[int]] = field(default_factory=dict)  # fqn -> storage records it returned
     param_dtypes: dict[str, set[str]] = field(default_factory=dict)
     unknown_ops: set[str] = field(default_factory=set)
@@ -217,9 +218,10 @@ class StepRecorder(TorchDispatchMode):
         self._refs: dict[int, weakref.ref] = {}
         self._param_of_storage: dict[int, str] = {}  # id(storage) -> param fqn
         self._param_stack: dict[int, Stack] = {}  # id(param) -> owner module stack
-        self._pending: list[tuple[weakref.ref, Stack]] = []
+        self._pending: list[tuple[weakref.ref, Stack, int]] = []
         self._seq_keys: list[int] = []
         self._seq_stacks: list[Stack] = []
+        self._seq_events: list[int] = []
         self._flow = DataflowTracker()  # forward ops' reads (autosac.dataflow: shared with the applier)
 
     # ----------------------------------------------------------- storages
@@ -283,27 +285,30 @@ class StepRecorder(TorchDispatchMode):
         windows[-1] = (windows[-1][0], len(self.rec.ops))
 
     def _flush_pending(self) -> None:
-        for ref, stack in self._pending:
+        for ref, stack, event in self._pending:
             t = ref()
             if t is not None and t.grad_fn is not None:
                 seq = t.grad_fn._sequence_nr()
                 if not self._seq_keys or seq > self._seq_keys[-1]:
                     self._seq_keys.append(seq)
                     self._seq_stacks.append(stack)
+                    self._seq_events.append(event)
         self._pending.clear()
 
-    def _backward_stack(self) -> Stack:
+    def _backward_stack(self) -> tuple[Stack, int]:
+        """The module stack the running backward node was created in, and the
+        forward event that created it (-1 for gradient accumulation)."""
         node = torch._C._current_autograd_node()
         if node is None:
-            return ()
+            return (), -1
         seq = node._sequence_nr()
         if seq == _ACCUMULATE_GRAD_SEQ:
             var = getattr(node, "variable", None)
-            return self._param_stack.get(id(var), ()) if var is not None else ()
+            return (self._param_stack.get(id(var), ()) if var is not None else ()), -1
         # Nodes are numbered in creation order, so the closest mapped node at or
         # before this one was created by the same module's forward.
         i = bisect.bisect_right(self._seq_keys, seq) - 1
-        return self._seq_stacks[i] if i >= 0 else ()
+        return (self._seq_stacks[i], self._seq_events[i]) if i >= 0 else ((), -1)
 
     # ------------------------------------------------------ saved tensors
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -333,7 +338,9 @@ class StepRecorder(TorchDispatchMode):
         rec = self.rec
         idx = len(rec.ops)
         if torch._C._current_autograd_node() is not None:
-            phase, stack = "backward", self._backward_stack()
+            (stack, origin), phase = self._backward_stack(), "backward"
+            if origin >= 0:
+                self.rec.origins[len(self.rec.ops)] = origin
         else:
             phase, stack = self.phase, self._stack_t
         ms, flops = self.cost.op_ms(func, args, kwargs, out)
@@ -376,7 +383,7 @@ class StepRecorder(TorchDispatchMode):
         if phase == "forward":
             self._note_param_use(func, args, outs)
             # grad_fn is attached above this dispatch level: resolve it at the next op
-            self._pending.extend((weakref.ref(t), stack) for t in outs if t.is_floating_point())
+            self._pending.extend((weakref.ref(t), stack, idx) for t in outs if t.is_floating_point())
         return out
 
     def _note_param_use(self, func, args, outs) -> None:

@@ -254,9 +254,8 @@ def _pre_hook(recorder: StepRecorder, fqn: str):
         if recorder.phase == "forward":
             recorder.push(fqn)
             recorder.rec.io_bytes.setdefault(fqn, [0, 0])[0] += _unique_bytes((args, kwargs))
-            if fqn not in recorder.rec.input_storages:
-                found = (recorder.index_of(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
-                recorder.rec.input_storages[fqn] = sorted({i for i in found if i is not None})
+            found = (recorder.index_of(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+            recorder.rec.input_storages.setdefault(fqn, []).append(sorted({i for i in found if i is not None}))
 
     return hook
 
