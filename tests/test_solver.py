@@ -38,6 +38,8 @@ def _exhaustive(problem, budget):
         choice = {i: k for i, k in enumerate(combo) if k}
         if any(a in choice for i in choice for a in cands[i].ancestors):
             continue  # nested checkpoints are not allowed
+        if any(len({combo[i] for i in group}) > 1 for group in problem.linked):
+            continue  # the calls of one module choose alike
         if problem.evaluate(choice) <= budget:
             ms = problem.recompute_ms(choice)
             if ms < best[0]:
@@ -229,3 +231,33 @@ def test_time_limit_with_presolve_returns_the_chain_optimum():
     assert rushed.solver["status"] in ("optimal", "time_limit_presolve", "time_limit")
     assert rushed.predicted_peak_bytes <= rushed.budget_bytes
     assert math.isclose(rushed.recompute_ms, full.recompute_ms, rel_tol=1e-4)
+
+
+class Shared(nn.Module):
+    """One block applied three times beside two blocks applied once."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.first, self.shared, self.last = Block(d, 0.0), Block(d, 0.0), Block(d, 0.0)
+
+    def forward(self, x):
+        x = self.first(x)
+        for _ in range(3):
+            x = self.shared(x)
+        return self.last(x)
+
+
+@pytest.mark.parametrize("solver", ["cbc", "highs"])
+def test_linked_calls_of_a_shared_module_match_exhaustive_search(solver):
+    torch.manual_seed(0)
+    stats = autosac.profile(Shared(), torch.randn(256, 32), target="a100", optimizer="none")
+    problem = build_problem(stats, max_choices=2)
+    assert problem.linked and len(problem.linked[0]) == 3
+    low, _ = least_peak(problem, solver=solver)
+    high = int(problem.live.max())
+    for frac in (0.0, 0.3, 0.7):
+        budget = int(low + frac * (high - low))
+        best_ms, _ = _exhaustive(problem, budget)
+        plan = solve_stats(stats, budget, solver=solver, problem=problem, max_choices=2)
+        assert plan.predicted_peak_bytes <= budget
+        assert math.isclose(plan.recompute_ms, best_ms, rel_tol=1e-6, abs_tol=1e-9), (frac, plan.recompute_ms, best_ms)

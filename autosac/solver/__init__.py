@@ -126,17 +126,18 @@ def plan_from_decisions(
         >>> plan = plan_from_decisions(stats, {"blocks.0": 1.0, "blocks.1.attn": 0.5})
     """
     problem = build_problem(stats, max_choices)
-    index = {c.fqn: i for i, c in enumerate(problem.candidates)}
+    index = {c.fqn: i for i, c in enumerate(problem.candidates) if c.call == 0}
     choice = {}
     for fqn, ratio in decisions.items():
         if fqn not in index:
-            raise ValueError(f"module {fqn!r} is not a checkpointing candidate (called once, with discardable activations)")
+            raise ValueError(f"module {fqn!r} is not a checkpointing candidate (with discardable activations)")
         if not 0 < ratio <= 1:
             raise ValueError(f"discard ratio {ratio!r} of {fqn!r} is not in (0, 1]")
         cand = problem.candidates[index[fqn]]
         want = ratio * cand.discardable_bytes
         k = next((k for k, b in enumerate(cand.discarded, start=1) if b >= want - 1e-9), len(cand.discarded))
-        choice[index[fqn]] = k
+        for i in problem.group_of(index[fqn]):  # every call of the module alike
+            choice[i] = k
     for i in choice:
         if any(a in choice for a in problem.candidates[i].ancestors):
             raise ValueError(f"{problem.candidates[i].fqn!r} is nested inside another checkpointed module")
@@ -188,7 +189,8 @@ def _make_plan(stats: ModelStats, problem: Problem, choice: dict[int, int], budg
     details = {}
     for i, k in sorted(choice.items()):
         cand = problem.candidates[i]
-        details[cand.fqn] = _decision(stats, cand, k)
+        if cand.call == 0:  # one decision per module: every call runs the same policy
+            details[cand.fqn] = _decision(stats, cand, k)
     peak = problem.evaluate(choice)
     recompute = problem.recompute_ms(choice)
     return Plan(

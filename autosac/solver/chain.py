@@ -33,8 +33,11 @@ class ChainResult:
 
 
 def is_chain(problem: Problem) -> bool:
-    """True when, ordered by forward end, candidates' intervals nest."""
+    """True when, ordered by forward end, candidates' intervals nest (and no
+    candidates are linked: the pass chooses each one on its own)."""
     cands = problem.candidates
+    if problem.linked:
+        return False
     in_order = all(
         (a.start, -a.end) <= (b.start, -b.end) and b.end <= a.end for a, b in zip(cands, cands[1:])
     )

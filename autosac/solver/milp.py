@@ -5,6 +5,8 @@ and, for the least-peak problem, one continuous peak ``P``.
 
 * at most one choice per root-to-leaf path (nothing checkpointed inside a
   checkpointed module): one row per leaf candidate over its ancestors, O(n * depth);
+* the candidates of one module called several times (one per call) take the
+  same choice: equality rows;
 * memory: the timeline is cut where any candidate's savings start or end, so
   inside a segment the set of modules whose savings apply is fixed; each segment
   whose traced peak exceeds the budget needs ``sum of covering savings >= peak - budget``.
@@ -154,6 +156,12 @@ def build_milp(problem: Problem, budget_bytes: int | None) -> MatrixMILP:
     for i, c in enumerate(cands):
         members = [i] if i in has_child else [i, *c.ancestors]
         add([(zc, 1.0) for k in members for zc in z_index[k]], -np.inf, 1.0)
+
+    # the calls of one module choose alike (one policy for every call)
+    for group in problem.linked:
+        for other in group[1:]:
+            for a, b in zip(z_index[group[0]], z_index[other]):
+                add([(a, 1.0), (b, -1.0)], 0.0, 0.0)
 
     # memory: savings of the covering candidates, less the holds of those in
     # their backward (and the recomputing one's work) >= live - budget

@@ -50,6 +50,7 @@ class Candidate:
     hold: int
     work: list[int]  # per choice: transient bytes of the recompute
     ancestors: list[int] = field(default_factory=list)  # candidate indices above it
+    call: int = 0  # which forward call of the module (a module called n times has n candidates)
 
 
 @dataclass
@@ -59,6 +60,11 @@ class Problem:
     candidates: list[Candidate]
     always_ms: float  # recompute every plan pays: parameter casts
     baseline_peak: int  # the unconstrained peak: sharded over world_size, parameter casts saved
+    linked: list[list[int]] = field(default_factory=list)  # candidates (calls of one module) that choose alike
+
+    def group_of(self, i: int) -> list[int]:
+        """Candidate ``i`` and the other calls of its module."""
+        return next((g for g in self.linked if i in g), [i])
 
     def evaluate(self, choice: dict[int, int]) -> int:
         """Peak bytes when candidate ``i`` takes choice ``k`` (1-based) for each item."""
@@ -174,25 +180,26 @@ def _discard_items(stats: ModelStats, op_ids: list[int]) -> list[list[int]]:
     return sorted(items, key=key)
 
 
-def _cache_held(m, stats: ModelStats, items: list[list[int]], n: int) -> tuple[int, list[tuple[int, int]]]:
-    """For the choice discarding ``items[:n]``: bytes the checkpoint's cache holds
-    for the kept op calls, and ``(event, bytes)`` of those outputs that the
-    discarded calls make again instead."""
+def _cache_held(m, stats: ModelStats, items: list[list[int]], n: int, window) -> tuple[int, list[tuple[int, int]]]:
+    """For the choice discarding ``items[:n]`` in the call ``window``: bytes the
+    checkpoint's cache holds for the kept op calls, and ``(event, bytes)`` of
+    those outputs that the discarded calls make again instead."""
     discarded = {stats.saved_ops[i].event for it in items[:n] for i in it}
-    held = sum(b for e, b in m.cache_holds if e not in discarded)
-    return held, [(e, b) for e, b in m.cache_holds if e in discarded]
+    holds = [(e, b) for e, b in m.cache_holds if window[0] <= e < window[1]]
+    held = sum(b for e, b in holds if e not in discarded)
+    return held, [(e, b) for e, b in holds if e in discarded]
 
 
-def _recompute_extra(stats: ModelStats, m, items: list[list[int]], picks: list[int]) -> list[int]:
+def _recompute_extra(stats: ModelStats, m, items: list[list[int]], picks: list[int], window) -> list[int]:
     """Per choice, how far above ``live - discarded`` memory rises while the module
     recomputes: the forward is replayed in order, so at each replayed event the
     discarded activations re-made so far (with their ops' other outputs) plus
     the short-lived tensors alive then, while the cache still holds what it keeps.
     The result is at least 0 and at most the discarded bytes plus the work peak."""
-    profile = m.recompute_profile
+    profile = [p for p in m.recompute_profile if window[0] <= p[0] < window[1]]
     out = []
     for n in picks:
-        held, remade = _cache_held(m, stats, items, n)
+        held, remade = _cache_held(m, stats, items, n, window)
         discarded = [(stats.saved_ops[i].event, stats.saved_ops[i].bytes) for it in items[:n] for i in it]
         made = sorted(discarded + remade)
         total = sum(b for _, b in discarded)
@@ -211,53 +218,107 @@ def _recompute_extra(stats: ModelStats, m, items: list[list[int]], picks: list[i
     return out
 
 
+def _calls(stats: ModelStats, m) -> list[tuple[list[int], list[int]]] | None:
+    """``(forward window, backward span)`` of each call of module ``m``, or None
+    when it cannot be a checkpoint region: a call without a backward, a backward
+    that starts before its forward ends, or calls whose op sequences differ."""
+    if len(m.bw_windows) != len(m.fw_windows) or any(span is None for span in m.bw_windows):
+        return None
+    ops = stats.timeline.ops
+    first = m.fw_windows[0]
+    calls = []
+    for window, span in zip(m.fw_windows, m.bw_windows):
+        if window[1] > span[0] or ops[window[0] : window[1]] != ops[first[0] : first[1]]:
+            return None
+        calls.append((window, span))
+    return calls
+
+
+def _mapped_items(stats: ModelStats, items: list[list[int]], first, window) -> list[list[int]] | None:
+    """``items`` (saved op ids of the first call) as the same ops of another call."""
+    by_event = {op.event: op.id for op in stats.saved_ops}
+    out = []
+    for item in items:
+        mapped = []
+        for i in item:
+            j = by_event.get(stats.saved_ops[i].event - first[0] + window[0])
+            if j is None or stats.saved_ops[j].op != stats.saved_ops[i].op:
+                return None
+            mapped.append(j)
+        out.append(mapped)
+    return out
+
+
 def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
     """Read the checkpointing problem off ``stats``.
 
-    Candidates are modules called once per step whose subtree saves discardable
-    activations; each offers at most ``max_choices`` discard choices.
+    Candidates are modules whose subtree saves discardable activations; each
+    offers at most ``max_choices`` discard choices.  A module called several
+    times per step (a shared block) gives one candidate per call, linked to
+    take the same choice: every call is a checkpoint region with the same policy.
     """
     live = _adjusted_live(stats)
     candidates: list[Candidate] = []
+    linked: list[list[Candidate]] = []
     for fqn in stats.subtree(stats.root):
         m = stats.modules[fqn]
-        if m.calls != 1 or not m.saved_op_ids or m.bw_window is None or m.discardable_bytes <= 0:
+        if not m.saved_op_ids or m.bw_window is None or m.discardable_bytes <= 0:
             continue
-        fw_end = m.fw_windows[0][1]
-        if fw_end > m.bw_window[0]:
+        calls = _calls(stats, m)
+        if calls is None:
             continue
-        items, costs = order_items(ModuleReplay.of(stats, fqn), _discard_items(stats, m.saved_op_ids))
-        cum_b = np.cumsum([sum(stats.saved_ops[i].bytes for i in it) for it in items])
+        first = calls[0][0]
+        op_ids = [i for i in m.saved_op_ids if first[0] <= stats.saved_ops[i].event < first[1]]
+        items, costs = order_items(ModuleReplay.of(stats, fqn), _discard_items(stats, op_ids))
         cum_t = np.asarray(costs)
-        picks = _choice_indices(cum_b, cum_t, max_choices)
-        hold = m.retained_input_bytes + stats.checkpoint_state_bytes + m.outside_write_bytes
-        # what the cache holds for kept ops is not saved either (conservatively
-        # over the whole interval: it is held from its consumers' backward on)
-        net = {j: int(cum_b[j - 1]) - hold - _cache_held(m, stats, items, j)[0] for j in picks}
-        # a choice that saves no more than the checkpoint holds is never worth taking
-        picks = [j for j in picks if net[j] > 0]
-        if not picks:
+        cum_first = np.cumsum([sum(stats.saved_ops[i].bytes for i in it) for it in items])
+        picks = _choice_indices(cum_first, cum_t, max_choices)
+        group = []
+        for j, (window, span) in enumerate(calls):
+            mine = items if j == 0 else _mapped_items(stats, items, first, window)
+            if mine is None:
+                group = []
+                break
+            cum_b = np.cumsum([sum(stats.saved_ops[i].bytes for i in it) for it in mine])
+            retained = m.retained_input_calls[j] if j < len(m.retained_input_calls) else m.retained_input_bytes
+            outside = m.outside_write_calls[j] if j < len(m.outside_write_calls) else m.outside_write_bytes
+            hold = retained + stats.checkpoint_state_bytes + outside
+            # what the cache holds for kept ops is not saved either (conservatively
+            # over the whole interval: it is held from its consumers' backward on)
+            net = [int(cum_b[k - 1]) - hold - _cache_held(m, stats, mine, k, window)[0] for k in picks]
+            group.append(Candidate(
+                fqn=fqn, start=window[1], end=span[0], bw_end=span[1], bytes=net,
+                discarded=[int(cum_b[k - 1]) for k in picks], ms=[float(cum_t[k - 1]) for k in picks],
+                n_items=list(picks), items=mine, discardable_bytes=int(cum_b[-1]), hold=hold,
+                work=_recompute_extra(stats, m, mine, picks, window), call=j,
+            ))
+        if not group:
             continue
-        cand = Candidate(
-            fqn=fqn, start=fw_end, end=m.bw_window[0], bw_end=m.bw_window[1],
-            bytes=[net[j] for j in picks],
-            discarded=[int(cum_b[j - 1]) for j in picks],
-            ms=[float(cum_t[j - 1]) for j in picks],
-            n_items=picks, items=items, discardable_bytes=int(cum_b[-1]), hold=hold,
-            work=_recompute_extra(stats, m, items, picks),
-        )
-        candidates.append(cand)
+        # a choice that saves no more than the checkpoint holds, in every call, is never worth taking
+        useful = [k for k in range(len(picks)) if sum(c.bytes[k] for c in group) > 0]
+        if not useful:
+            continue
+        for c in group:
+            c.bytes, c.discarded, c.ms, c.n_items, c.work = (
+                [getattr(c, f)[k] for k in useful] for f in ("bytes", "discarded", "ms", "n_items", "work")
+            )
+        candidates += group
+        if len(group) > 1:
+            linked.append(group)
     # order by forward end (children before parents); in sequential models this
     # makes the intervals nest, which the chain solver exploits
     candidates.sort(key=lambda c: (c.start, -c.end, -stats.modules[c.fqn].depth))
-    index = {c.fqn: i for i, c in enumerate(candidates)}
+    index: dict[str, list[int]] = {}
+    for i, c in enumerate(candidates):
+        index.setdefault(c.fqn, []).append(i)
     for c in candidates:
         probe = stats.modules[c.fqn].parent
         while probe is not None:
-            if probe in index:
-                c.ancestors.append(index[probe])
+            c.ancestors += index.get(probe, [])
             probe = stats.modules[probe].parent
     always = sum(op.ms for op in stats.saved_ops if op.param_cast)
     baseline = int(_adjusted_live(stats, drop_casts=False).max(initial=0)) if stats.world_size > 1 else stats.peak_bytes
     made = np.asarray(stats.timeline.made_bytes or np.zeros(len(live)), dtype=np.int64)
-    return Problem(live=live, made=made, candidates=candidates, always_ms=always, baseline_peak=baseline)
+    position = {id(c): i for i, c in enumerate(candidates)}
+    groups = [sorted(position[id(c)] for c in g) for g in linked]
+    return Problem(live=live, made=made, candidates=candidates, always_ms=always, baseline_peak=baseline, linked=groups)
