@@ -1,0 +1,63 @@
+"""The model suite's table: for every model the tests plan (transformers, timm,
+ordinary modules), at 70 %, 50 % and the least feasible budget: predicted and
+measured peak, the budget, and whether one training step stayed bitwise equal.
+
+    python benchmarks/model_suite.py > benchmarks/results/model_suite.md
+
+Runs the same checks as ``tests/test_real_models.py`` and
+``tests/test_ordinary_modules.py`` (and fails the same way).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+import test_ordinary_modules as ordinary  # noqa: E402
+import test_real_models as real  # noqa: E402
+import torch  # noqa: E402
+from suite import check_model, seeded  # noqa: E402
+
+
+def cases():
+    for name, make, attn, cache in real.HF:
+        tol = max(real.TOLERANCE.get(name.split("-")[0], 0.03), real.TOLERANCE.get("-".join(name.split("-")[:2]), 0.03))
+        yield name, seeded(make(attn, cache)), dict(
+            loss_fn=lambda out: out.loss, expect_warning="use_cache=True" if cache else None, tolerance=tol)
+    try:
+        from timm_import import import_timm
+
+        timm = import_timm()
+        yield "timm-resnet10t", seeded(lambda: (timm.create_model("resnet10t", num_classes=10).train(),
+                                                 torch.randn(16, 3, 96, 96))), {}
+        yield "timm-vit-tiny", seeded(lambda: (timm.create_model(
+            "vit_tiny_patch16_224", num_classes=10, img_size=96, drop_path_rate=0.1, depth=4).train(),
+            torch.randn(16, 3, 96, 96))), {}
+    except ImportError:
+        pass
+    for name, (build, tol) in ordinary.CASES.items():
+        yield name, seeded(build), dict(tolerance=tol)
+    yield "shared-block", seeded(lambda: (ordinary.SharedBlock(), torch.randn(1024, 16))), {}
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    print("| model | budget | budget bytes | predicted | measured | error | bitwise | plan |")
+    print("|---|---|---:|---:|---:|---:|---|---|")
+    for name, build, kwargs in cases():
+        for r in check_model(name, build, **kwargs):
+            if r.predicted is None:
+                print(f"| {name} | {r.budget} | {r.budget_bytes:,} | - | - | - | - | {r.note} |")
+                continue
+            err = (r.predicted - r.measured) / r.measured
+            print(f"| {name} | {r.budget} | {r.budget_bytes:,} | {r.predicted:,} | {r.measured:,} | {err:+.2%} "
+                  f"| {'yes' if r.bitwise else 'NO'} | {r.note} |")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
