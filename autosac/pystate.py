@@ -28,7 +28,7 @@ _ATOMS = (
     type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.dtype, torch.device,
     types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType, type,
 )
-_MAX_OBJECTS = 2000
+_MAX_OBJECTS = 100_000  # objects besides the modules themselves
 _MODULE_TABLES = ("_parameters", "_modules")
 
 
@@ -66,6 +66,9 @@ class State:
 def capture(module: nn.Module, args: tuple, kwargs: dict) -> State:
     """Record the state of ``module``'s subtree and of the objects its arguments reach.
 
+    Every module of the subtree is captured; other objects (reached from the
+    arguments and from the modules' attributes) up to ``_MAX_OBJECTS``.
+
     Example::
 
         >>> before = capture(block, args, kwargs)
@@ -73,23 +76,35 @@ def capture(module: nn.Module, args: tuple, kwargs: dict) -> State:
     """
     saved: list[tuple[object, object]] = []
     seen: set[int] = set()
-    todo: list[object] = [m for m in module.modules()]
-    todo += [v for v in (*args, *kwargs.values())]
-    while todo and len(seen) < _MAX_OBJECTS:
+    todo: list[object] = []
+    for m in module.modules():
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        saved.append((m, _contents(m)))
+        # children are captured on their own; the parameter table is left alone
+        # (FSDP2 re-binds unsharded parameters there around each use)
+        todo.extend(v for k, v in m.__dict__.items() if k not in _MODULE_TABLES)
+    todo.extend((*args, *kwargs.values()))
+    todo.reverse()  # walk in order: the first objects found are the first captured
+    others = 0
+    while todo and others < _MAX_OBJECTS:
         obj = todo.pop()
         if id(obj) in seen or isinstance(obj, _ATOMS):
             continue
         seen.add(id(obj))
+        others += 1
         if isinstance(obj, (list, dict)):
             saved.append((obj, _contents(obj)))
-            todo.extend(obj if isinstance(obj, list) else obj.values())
+            items = list(obj if isinstance(obj, list) else obj.values())
         elif isinstance(obj, tuple):
-            todo.extend(obj)
+            items = list(obj)
         elif isinstance(getattr(obj, "__dict__", None), dict):
             saved.append((obj, _contents(obj)))
-            # a module's children are captured on their own; its parameter table is
-            # left alone (FSDP2 re-binds unsharded parameters there around each use)
-            todo.extend(v for k, v in obj.__dict__.items() if k not in _MODULE_TABLES or not isinstance(obj, nn.Module))
+            items = [] if isinstance(obj, nn.Module) else list(obj.__dict__.values())
+        else:
+            items = []
+        todo.extend(reversed(items))
     return State(saved)
 
 

@@ -90,6 +90,23 @@ class SelfAttention(nn.Module):
         return x
 
 
+class ReadThenWrite(nn.Module):
+    """Reads a buffer, then adds to it in place: the replay must read the value
+    the forward read, not the one the forward left."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 256), nn.Linear(256, 64)
+        self.register_buffer("step", torch.ones(()))
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x) + self.step)
+        self.step.add_(1)
+        h = h + self.step
+        self.step.add_(1)
+        return x + self.fc2(torch.tanh(h))
+
+
 def _stack(n, block):
     return nn.Sequential(*[block() for _ in range(n)])
 
@@ -98,6 +115,7 @@ CASES = {
     "batchnorm": (lambda: (BNStack(), torch.randn(512, 64)), 0.03),
     "counters": (lambda: (_stack(4, Counting), torch.randn(512, 64)), 0.03),
     "lazy-attribute": (lambda: (_stack(4, Lazy), torch.randn(512, 64)), 0.03),
+    "read-then-write-buffer": (lambda: (_stack(4, ReadThenWrite), torch.randn(512, 64)), 0.03),
     "keyword-inputs": (lambda: (KeywordNet(), {"x": torch.randn(512, 64), "mask": torch.rand(512, 256)}), 0.03),
     # the engine sums the three select_backward gradients of MHA's packed
     # projection in place where the trace's fake tensors cannot: cautious by 4 %
@@ -246,4 +264,89 @@ def test_a_module_called_four_times_is_checkpointed_at_every_call():
     root_only = plan_from_decisions(stats, {"": 1.0}).predicted_peak_bytes
     assert least < 0.6 * root_only
     rows = check_model("shared-block", seeded(lambda: (SharedBlock(), torch.randn(1024, 16))))
+    assert sum(bool(r.bitwise) for r in rows) >= 2
+
+
+class Tick(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x
+
+
+class ManyTicks(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.ticks = nn.ModuleList(Tick() for _ in range(n))
+        self.fc1, self.fc2 = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x):
+        for tick in self.ticks:
+            x = tick(x)
+        return x + self.fc2(torch.tanh(torch.tanh(self.fc1(x))))
+
+
+def test_python_state_of_hundreds_of_modules_is_restored():
+    """Every module's state is captured, however many: profiling changes none,
+    and a replay does not count any call twice."""
+    from autosac.solver import least_peak
+    from autosac.solver.problem import build_problem
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(ManyTicks(1200), ManyTicks(1200)), torch.randn(1024, 64)
+    stats = autosac.profile(model, x, target="a100")
+    assert {t.calls for t in model.modules() if isinstance(t, Tick)} == {0}
+    plan = autosac.solve(stats, least_peak(build_problem(stats))[0])
+    assert plan.decisions
+    autosac.apply(model, plan)
+    model(x).sum().backward()
+    assert {t.calls for t in model.modules() if isinstance(t, Tick)} == {1}
+
+
+def test_profile_never_writes_the_models_real_tensors():
+    class Writes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(64, 64)
+            self.table = torch.zeros(8)  # a plain tensor attribute, not a buffer
+            self.history = [torch.zeros(4)]
+
+        def forward(self, x):
+            self.table.add_(1)
+            self.history[0].add_(1)
+            return self.fc(x)
+
+    model = Writes()
+    autosac.profile(model, torch.randn(16, 64))
+    assert torch.equal(model.table, torch.zeros(8)) and torch.equal(model.history[0], torch.zeros(4))
+
+
+def test_a_shared_module_called_inside_another_module_never_nests_checkpoints():
+    """``a(b(a(x)))`` with ``a.inner`` also used by ``b``: the call of the shared
+    module inside ``b`` belongs to ``b``; a plan never checkpoints both."""
+
+    def mlp():
+        return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+
+    class Outer(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.f = inner, mlp()
+
+        def forward(self, x):
+            return x + self.f(self.inner(x))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            inner = mlp()
+            self.a, self.b = Outer(inner), Outer(inner)
+
+        def forward(self, x):
+            return self.a(self.b(self.a(x)))
+
+    rows = check_model("nested-shared", seeded(lambda: (Net(), torch.randn(2048, 64))))
     assert sum(bool(r.bitwise) for r in rows) >= 2

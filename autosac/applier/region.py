@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from autosac.dataflow import DataflowTracker
-from autosac.opkinds import is_random_op, is_sac_ignored, is_view_op, writes_input, written_args
+from autosac.opkinds import is_random_op, is_sac_ignored, is_view_op, writes_input, written_tensors
 from autosac.plan import Decision
 from autosac.pystate import State, capture
 
@@ -81,7 +81,6 @@ class _Rerun:
     """What the replay does with one call SAC re-runs."""
 
     shape: object = None  # outputs' shapes where the call may be skipped
-    before: dict = field(default_factory=dict)  # written argument -> copy as the forward found it
 
 
 class RegionCall:
@@ -96,6 +95,9 @@ class RegionCall:
         self.differs: str | None = None  # the first op that differs from the plan
         self.flow_differs: str | None = None  # the first call that reads other results
         self.rerun: dict[str, list[_Rerun]] = defaultdict(list)
+        # storages made outside the region that it writes in place: id -> their
+        # contents when the region first wrote them (= at the region's start)
+        self.outside: dict[int, torch.UntypedStorage] = {}
 
     # --------------------------------------------------------- forward
     def forward_op(self, func, args, kwargs):
@@ -103,13 +105,13 @@ class RegionCall:
         if is_sac_ignored(func):
             return func(*args, **kwargs)
         deps = tuple(self.flow.reads(args, kwargs))
-        before = {}
-        for name, value in _written_values(func, args, kwargs):
-            if not self.flow.produced_here(value):
-                before[name] = value.detach().clone()
+        for value in written_tensors(func, args, kwargs):
+            st = value.untyped_storage()
+            if id(st) not in self.outside and not self.flow.produced_here(value):
+                self.outside[id(st)] = st.clone()
         out = func(*args, **kwargs)
         self.flow.record(self.n, func, args, kwargs, out)
-        self.last = (self.n, func, deps, before)
+        self.last = (self.n, func, deps)
         self.n += 1
         return out
 
@@ -118,7 +120,7 @@ class RegionCall:
         if self.last is None or self.last[1] is not func:  # cannot happen: keep the region correct anyway
             self._set_differs("its op calls could not be followed")
             return CheckpointPolicy.PREFER_RECOMPUTE
-        i, _, deps, before = self.last
+        i, _, deps = self.last
         name = func.overloadpacket.__name__
         calls = self.policy.calls
         if self.differs is None:
@@ -131,7 +133,7 @@ class RegionCall:
         if self.differs is None and i in self.policy.save:
             return CheckpointPolicy.MUST_SAVE
         shape = tree_map(_shape_of, ctx.op_output) if i in self.policy.skip else None
-        self.rerun[name].append(_Rerun(shape, before))
+        self.rerun[name].append(_Rerun(shape))
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     def _set_differs(self, what: str) -> None:
@@ -163,8 +165,12 @@ class RegionCall:
         return self.differs is None and self.flow_differs is None
 
     # ---------------------------------------------------------- replay
-    def replay_op(self, func, args, kwargs, counts: dict[str, int]):
-        """Beneath SAC's recompute mode: skip dead calls, keep outside writes off the real tensors."""
+    def replay_op(self, func, args, kwargs, counts: dict[str, int], local: dict):
+        """Beneath SAC's recompute mode: skip dead calls; reads and writes of
+        outside tensors the region writes go to ``local``, the replay's own copy
+        of them as they were at the region's start."""
+        if self.outside:
+            args, kwargs = tree_map(lambda a: self._local_view(a, local), (args, kwargs))
         if is_sac_ignored(func):
             return func(*args, **kwargs)
         name = func.overloadpacket.__name__
@@ -179,9 +185,18 @@ class RegionCall:
             and not is_random_op(func)
         ):
             return tree_map(_empty_like_shape, entry.shape)
-        if entry.before:
-            args, kwargs = _with_copies(func, args, kwargs, entry.before)
         return func(*args, **kwargs)
+
+    def _local_view(self, a, local: dict):
+        if not isinstance(a, torch.Tensor):
+            return a
+        key = id(a.untyped_storage())
+        if key not in self.outside:
+            return a
+        if key not in local:
+            local[key] = self.outside[key].clone()
+        view = torch.empty(0, dtype=a.dtype, device=a.device)
+        return view.set_(local[key], a.storage_offset(), a.size(), a.stride())
 
     # -------------------------------------------------------- contexts
     def contexts(self):
@@ -232,10 +247,12 @@ class _Replay(TorchDispatchMode):
         super().__init__()
         self.call = call
         self.counts: dict[str, int] = defaultdict(int)
+        self.local: dict = {}
         self.after: State | None = None
 
     def __enter__(self):
         self.counts = defaultdict(int)
+        self.local = {}
         self.after = self.call.state.recapture()
         self.call.state.install()
         return super().__enter__()
@@ -246,9 +263,10 @@ class _Replay(TorchDispatchMode):
         finally:
             self.after.install()
             self.after = None
+            self.local = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return self.call.replay_op(func, args, kwargs or {}, self.counts)
+        return self.call.replay_op(func, args, kwargs or {}, self.counts, self.local)
 
 
 class _Nested:
@@ -268,34 +286,6 @@ class _Nested:
 
     def __exit__(self, *exc):
         return self._stacks.pop().__exit__(*exc)
-
-
-def _written_values(func, args, kwargs):
-    """(argument name, tensor) for each tensor argument the op writes in place."""
-    names = written_args(func)
-    if not names:
-        return []
-    out = []
-    for i, a in enumerate(func._schema.arguments):
-        if a.name in names:
-            value = kwargs[a.name] if a.name in kwargs else (args[i] if i < len(args) else None)
-            if isinstance(value, torch.Tensor):
-                out.append((a.name, value))
-    return out
-
-
-def _with_copies(func, args, kwargs, before: dict):
-    """``args``/``kwargs`` with each written argument in ``before`` replaced by a
-    fresh copy of its forward-time value."""
-    args, kwargs = list(args), dict(kwargs)
-    for i, a in enumerate(func._schema.arguments):
-        if a.name in before:
-            copy = before[a.name].clone()
-            if a.name in kwargs:
-                kwargs[a.name] = copy
-            elif i < len(args):
-                args[i] = copy
-    return tuple(args), kwargs
 
 
 @dataclass(frozen=True)

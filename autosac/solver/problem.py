@@ -17,6 +17,7 @@ so every choice is a real set of ops, priced by exactly what its replay computes
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,6 +52,7 @@ class Candidate:
     work: list[int]  # per choice: transient bytes of the recompute
     ancestors: list[int] = field(default_factory=list)  # candidate indices above it
     call: int = 0  # which forward call of the module (a module called n times has n candidates)
+    window: tuple[int, int] = (0, 0)  # that call's forward events
 
 
 @dataclass
@@ -249,6 +251,28 @@ def _mapped_items(stats: ModelStats, items: list[list[int]], first, window) -> l
     return out
 
 
+def _set_ancestors(stats: ModelStats, candidates: list[Candidate]) -> None:
+    """A candidate's ancestors are the candidates whose call contains its call
+    (checkpoints never nest).  This is the module tree for modules called once;
+    a shared module called from inside another module's call (``a(b(a(x)))``
+    with ``a.inner`` shared by ``b``) gets the module whose call it runs in."""
+    by_start = sorted(range(len(candidates)), key=lambda i: candidates[i].window[0])
+    starts = [candidates[i].window[0] for i in by_start]
+    for c in candidates:
+        lo, hi = c.window
+        for i in by_start[: bisect.bisect_right(starts, lo)]:
+            a = candidates[i]
+            if a is c or a.window[1] < hi:
+                continue
+            if a.window == c.window and not _is_fqn_ancestor(a.fqn, c.fqn):
+                continue  # the same span: only the outer module of the two contains the other
+            c.ancestors.append(i)
+
+
+def _is_fqn_ancestor(a: str, c: str) -> bool:
+    return a == "" and c != "" or c.startswith(a + ".")
+
+
 def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
     """Read the checkpointing problem off ``stats``.
 
@@ -290,7 +314,9 @@ def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
                 fqn=fqn, start=window[1], end=span[0], bw_end=span[1], bytes=net,
                 discarded=[int(cum_b[k - 1]) for k in picks], ms=[float(cum_t[k - 1]) for k in picks],
                 n_items=list(picks), items=mine, discardable_bytes=int(cum_b[-1]), hold=hold,
-                work=_recompute_extra(stats, m, mine, picks, window), call=j,
+                # the replay also works on its own copy of what the call writes outside itself
+                work=[w + outside for w in _recompute_extra(stats, m, mine, picks, window)], call=j,
+                window=tuple(window),
             ))
         if not group:
             continue
@@ -308,14 +334,7 @@ def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
     # order by forward end (children before parents); in sequential models this
     # makes the intervals nest, which the chain solver exploits
     candidates.sort(key=lambda c: (c.start, -c.end, -stats.modules[c.fqn].depth))
-    index: dict[str, list[int]] = {}
-    for i, c in enumerate(candidates):
-        index.setdefault(c.fqn, []).append(i)
-    for c in candidates:
-        probe = stats.modules[c.fqn].parent
-        while probe is not None:
-            c.ancestors += index.get(probe, [])
-            probe = stats.modules[probe].parent
+    _set_ancestors(stats, candidates)
     always = sum(op.ms for op in stats.saved_ops if op.param_cast)
     baseline = int(_adjusted_live(stats, drop_casts=False).max(initial=0)) if stats.world_size > 1 else stats.peak_bytes
     made = np.asarray(stats.timeline.made_bytes or np.zeros(len(live)), dtype=np.int64)

@@ -278,11 +278,12 @@ def _retained_inputs(rec, inputs: list[int], bw_span) -> int:
 
 
 def _outside_writes(rec, window) -> int:
-    """Bytes one forward call writes in place into tensors made before it
-    (buffers, parameters, inputs): a checkpoint keeps their prior values until
-    its replay, so that the replay does not write them again."""
+    """Bytes of the storages one forward call writes in place that were made
+    before it (buffers, parameters, inputs): a checkpoint keeps a copy of each
+    as it was until its replay, which reads and writes that copy instead."""
     start, end = window
-    return sum(b for e, items in rec.written.items() if start <= e < end for p, b in items if p < start)
+    storages = {sid: b for e, items in rec.written.items() if start <= e < end for p, sid, b in items if p < start}
+    return sum(storages.values())
 
 
 def stack_subtree(fqn: str, children: dict[str, list[str]]) -> list[str]:

@@ -22,7 +22,7 @@ from functools import lru_cache
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from autosac.dataflow import DataflowTracker
 from autosac.opkinds import is_random_op, is_view_op, writes_input, written_tensors
@@ -61,7 +61,7 @@ class Recording:
     writes: list[bool] = field(default_factory=list)  # writes an input in place
     transient: dict[int, int] = field(default_factory=dict)  # event -> scratch bytes inside the op
     inputs: dict[int, list[int]] = field(default_factory=dict)  # forward event -> events that made its inputs
-    written: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # forward event -> [(producer, bytes)]
+    written: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)  # event -> [(producer, storage, bytes)]
     storages: list[StorageRecord] = field(default_factory=list)
     fw_windows: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     fw_pre_order: list[str] = field(default_factory=list)
@@ -77,7 +77,7 @@ class Recording:
 SMALL_NUMEL = 1 << 16  # tensors this small (and on the cpu) may be computed for real
 
 
-def run_op(func, args, kwargs):
+def run_op(func, args, kwargs, made_in_trace=lambda t: False, fake_mode=None):
     """Run one op of the trace: under fake mode, unless it only reads small real
     tensors (or none) and makes small ones.
 
@@ -86,9 +86,19 @@ def run_op(func, args, kwargs):
     asks whether it is being traced (``isinstance(x, FakeTensor)``, as
     transformers does before choosing its attention-mask path) gets the same
     answer as in the real step, so the trace takes the real step's branches.
-    Random ops always run fake: the trace never advances the real RNG.
+    Random ops always run fake: the trace never advances the real RNG; and an
+    op that writes in place runs for real only into tensors the trace made
+    (``made_in_trace``): the model's own tensors are never changed (a write
+    into one goes to a fake twin of it).
     """
     if func.namespace != "aten" or is_random_op(func):
+        return func(*args, **kwargs)
+    foreign = [t for t in written_tensors(func, args, kwargs) if not isinstance(t, FakeTensor) and not made_in_trace(t)]
+    if foreign:
+        if fake_mode is None:
+            raise RuntimeError("autosac: an op writes into a real tensor of the model during the trace")
+        twins = {id(t): fake_mode.from_tensor(t) for t in foreign}
+        args, kwargs = tree_map(lambda a: twins.get(id(a), a) if isinstance(a, torch.Tensor) else a, (args, kwargs))
         return func(*args, **kwargs)
     tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
     if any(isinstance(t, FakeTensor) or t.requires_grad or t.device.type != "cpu" for t in tensors):
@@ -222,7 +232,8 @@ class StepRecorder(TorchDispatchMode):
         self._seq_keys: list[int] = []
         self._seq_stacks: list[Stack] = []
         self._seq_events: list[int] = []
-        self._flow = DataflowTracker()  # forward ops' reads (autosac.dataflow: shared with the applier)
+        self._flow = DataflowTracker()
+        self.fake_mode = None  # the trace's FakeTensorMode (writes into the model's real tensors go to fakes)  # forward ops' reads (autosac.dataflow: shared with the applier)
 
     # ----------------------------------------------------------- storages
     def track(
@@ -259,6 +270,10 @@ class StepRecorder(TorchDispatchMode):
         idx = self._by_storage.get(id(t.untyped_storage()))
         if idx is not None:
             self.rec.storages[idx].kind = kind
+
+    def _made_in_trace(self, t: torch.Tensor) -> bool:
+        record = self.record_of(t)
+        return record is not None and record.producer >= 0
 
     def index_of(self, t: torch.Tensor) -> int | None:
         return self._by_storage.get(id(t.untyped_storage()))
@@ -333,7 +348,7 @@ class StepRecorder(TorchDispatchMode):
             return func(*args, **kwargs)
         if self._pending:
             self._flush_pending()
-        out = run_op(func, args, kwargs)
+        out = run_op(func, args, kwargs, self._made_in_trace, self.fake_mode)
 
         rec = self.rec
         idx = len(rec.ops)
@@ -379,7 +394,7 @@ class StepRecorder(TorchDispatchMode):
                 if r is not None:
                     if r.producer != idx and r.producer >= 0:
                         r.writers.append(idx)
-                    rec.written.setdefault(idx, []).append((r.producer, t.numel() * t.element_size()))
+                    rec.written.setdefault(idx, []).append((r.producer, self.index_of(t), r.nbytes))
         if phase == "forward":
             self._note_param_use(func, args, outs)
             # grad_fn is attached above this dispatch level: resolve it at the next op

@@ -99,9 +99,9 @@ def trace_step(
     try:
         with _fake_tensor_log_quiet(), fake_parameters(model, mode), mode:
             args, kwargs = tree_map(_trace_input, (real_args, real_kwargs))
-            step = _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model)
+            step = _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode)
             if before.grew():
-                step = _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model)
+                step = _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode)
     finally:
         before.install()
     return step
@@ -132,10 +132,11 @@ def _trace_input(x):
     return _fake_like(x, x.requires_grad)
 
 
-def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model) -> TracedStep:
+def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode) -> TracedStep:
     """One recorded step on a model whose parameters are already fake."""
     names = {id(m): fqn for fqn, m in model.named_modules()}
     recorder = StepRecorder(cost_model)
+    recorder.fake_mode = mode
     opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
     _init_optimizer_state(model, opt)
     params = _track_params(model, opt, recorder)
