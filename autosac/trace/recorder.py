@@ -120,6 +120,18 @@ REAL_SIZE_OPS = frozenset({"mkldnn_rnn_layer"})
 # Kernels whose internal working memory depends on the kernel's own choices
 # (oneDNN's reorders in a convolution's backward): measured on a real call on zeros.
 PROBE_SCRATCH_OPS = frozenset({"convolution_backward"})
+# Matmuls in half precision (oneDNN converts and reorders blocks internally).
+_HALF_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
+
+
+def needs_probe(func, args) -> bool:
+    """Whether the kernel's internal working memory is measured by a probe."""
+    name = func.overloadpacket.__name__
+    if name in PROBE_SCRATCH_OPS:
+        return True
+    return name in _HALF_MATMULS and any(
+        isinstance(a, torch.Tensor) and a.dtype in (torch.bfloat16, torch.float16) for a in args
+    )
 # Kernels whose internal working memory is large and not modelled (yet).
 UNSEEN_SCRATCH_OPS = frozenset({"mkldnn_rnn_layer_backward"})
 _PROBE_CAP_BYTES = 256 << 20
@@ -374,7 +386,7 @@ class StepRecorder(TorchDispatchMode):
         rec.random.append(is_random_op(func))
         rec.writes.append(writes and not view)
         scratch = transient_bytes(func, args)
-        if func.overloadpacket.__name__ in PROBE_SCRATCH_OPS:
+        if needs_probe(func, args):
             scratch = probed_scratch_bytes(func, args, kwargs, scratch)
         if scratch:
             rec.transient[idx] = scratch
