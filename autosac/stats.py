@@ -40,6 +40,7 @@ class SavedOp:
     param_cast: bool = False
     writer_events: list[int] = field(default_factory=list)
     savers: list[str] = field(default_factory=list)  # innermost module of each op that saved it
+    remade_at: int = -1  # parameter casts: the first backward event of the ops that saved it
 
 
 @dataclass

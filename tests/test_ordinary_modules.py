@@ -350,3 +350,29 @@ def test_a_shared_module_called_inside_another_module_never_nests_checkpoints():
 
     rows = check_model("nested-shared", seeded(lambda: (Net(), torch.randn(2048, 64))))
     assert sum(bool(r.bitwise) for r in rows) >= 2
+
+
+class AutocastBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = torch.tanh(self.fc1(x))
+            return x + self.fc2(torch.nn.functional.gelu(h)).float()
+
+
+def test_bf16_autocast_peaks_count_half_precision_matmul_scratch_and_remade_casts():
+    """bf16 matmuls on the cpu work in scratch the dispatcher never sees, and a
+    weight cast that is not saved is made again by the backward that uses it:
+    both counted, so the unplanned and the planned peak are exact."""
+    from autosac.solver import plan_from_decisions
+
+    torch.manual_seed(0)
+    model, x = AutocastBlock(), torch.randn(4096, 64)
+    stats = autosac.profile(model, x, target="a100")
+    assert abs(stats.peak_bytes - autosac.measure(copy.deepcopy(model), x, steps=1).peak_bytes) <= 64
+    plan = plan_from_decisions(stats, {"fc1": 1.0})
+    measured = autosac.measure(autosac.apply(copy.deepcopy(model), plan), x, steps=1).peak_bytes
+    assert plan.predicted_peak_bytes - 1024 <= measured <= plan.predicted_peak_bytes

@@ -116,9 +116,12 @@ def _adjusted_live(stats: ModelStats, drop_casts: bool = True) -> np.ndarray:
     # still holds them until its region exits, usually with the forward: count
     # them gone from the first event after the forward.
     forward_end = next((i for i, ph in enumerate(tl.phases) if ph not in ("forward",)), n)
+    # The backward that uses one makes it again (the cast hook's unpack) and
+    # holds it until that backward step ends, where the unmodified step frees it.
     for op in stats.saved_ops:
         if op.param_cast and drop_casts:
-            live[max(forward_end, op.event + 1) : op.freed_event] -= op.bytes
+            until = op.freed_event if op.remade_at < 0 else min(op.freed_event, op.remade_at)
+            live[max(forward_end, op.event + 1) : until] -= op.bytes
     w = stats.world_size
     if w > 1:
         frac = 1.0 - 1.0 / w

@@ -150,6 +150,13 @@ def _saved_ops(rec) -> _Saved:
         if r.kind == "act" and r.saver_stack is not None and r.producer >= 0 and r.nbytes > 0:
             groups[r.producer].append(r)
     out = _Saved([], groups, defaultdict(int), defaultdict(int), defaultdict(list), 0)
+    consumers: dict[int, list[int]] = defaultdict(list)  # forward event -> forward events reading it
+    for e, deps in rec.inputs.items():
+        for d in deps:
+            consumers[d].append(e)
+    backward_of: dict[int, int] = {}  # forward event -> first backward event of the node it made
+    for b, origin in sorted(rec.origins.items()):
+        backward_of.setdefault(origin, b)
     for ev in sorted(groups):
         stack, recs = rec.stacks[ev], groups[ev]
         nbytes = sum(r.nbytes for r in recs)
@@ -175,6 +182,8 @@ def _saved_ops(rec) -> _Saved:
         )
         out.ops.append(op)
         if op.param_cast:
+            uses = [backward_of[c] for c in consumers.get(ev, ()) if c in backward_of]
+            op.remade_at = min(uses) if uses else -1
             out.param_cast_bytes += nbytes
             continue
         ids = {storage_ids[id(r)] for r in recs}
