@@ -107,6 +107,18 @@ class ReadThenWrite(nn.Module):
         return x + self.fc2(torch.tanh(h))
 
 
+class InplaceSiLU(nn.Module):
+    """An in-place SiLU (as EfficientNet and MobileNet use): autograd copies its
+    input, which the replay must read before the SiLU writes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(64, 256), nn.SiLU(inplace=True), nn.Linear(256, 64)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
 def _stack(n, block):
     return nn.Sequential(*[block() for _ in range(n)])
 
@@ -116,6 +128,7 @@ CASES = {
     "counters": (lambda: (_stack(4, Counting), torch.randn(512, 64)), 0.03),
     "lazy-attribute": (lambda: (_stack(4, Lazy), torch.randn(512, 64)), 0.03),
     "read-then-write-buffer": (lambda: (_stack(4, ReadThenWrite), torch.randn(512, 64)), 0.03),
+    "inplace-silu": (lambda: (_stack(4, InplaceSiLU), torch.randn(512, 64)), 0.03),
     "keyword-inputs": (lambda: (KeywordNet(), {"x": torch.randn(512, 64), "mask": torch.rand(512, 256)}), 0.03),
     # the engine sums the three select_backward gradients of MHA's packed
     # projection in place where the trace's fake tensors cannot: cautious by 4 %

@@ -168,21 +168,60 @@ def bits(mask: int):
         i += 1
 
 
-def _discard_items(stats: ModelStats, op_ids: list[int]) -> list[list[int]]:
+def _discard_items(stats: ModelStats, op_ids: list[int], window) -> tuple[list[list[int]], list[int]]:
     """A module's saved ops as discard items, cheapest ms per byte first (the
-    starting order; :func:`order_items` settles the final one).
+    starting order; :func:`order_items` settles the final one), and the saved
+    ops every choice must discard.
 
     Random ops form one item: a recompute replays the RNG from the start of the
     module, so it can only reproduce a random op if every random op before it is
     re-run too -- a module recomputes all its random ops or none.
+
+    A kept output that the forward later writes in place is cached as the
+    written tensor, so a call the replay re-runs that read it *before* the write
+    would read the wrong value (an in-place SiLU and autograd's copy of its
+    input).  Such a reader, if it is itself a saved op, is discarded together
+    with the written output; any other reader (re-run whenever the module is)
+    makes the written output one that every choice discards.
     """
+    by_event = {stats.saved_ops[i].event: i for i in op_ids}
+    group = {i: i for i in op_ids}
+
+    def root(i):
+        while group[i] != i:
+            group[i] = group[group[i]]
+            i = group[i]
+        return i
+
+    tl = stats.timeline
+    mandatory: set[int] = set()
+    for i in op_ids:
+        op = stats.saved_ops[i]
+        writes = [w for w in op.writer_events if w < window[1]]
+        if not writes:
+            continue
+        chain = {op.event, *writes}
+        for r in range(op.event + 1, max(writes)):
+            if r in chain or tl.views[r] or op.event not in tl.inputs[r]:
+                continue
+            if r in by_event:
+                group[root(by_event[r])] = root(i)
+            else:
+                mandatory.add(i)
     rnd = [i for i in op_ids if stats.saved_ops[i].random]
-    items = [[i] for i in op_ids if not stats.saved_ops[i].random] + ([rnd] if rnd else [])
+    for i in rnd[1:]:
+        group[root(i)] = root(rnd[0])
+    members: dict[int, list[int]] = {}
+    for i in op_ids:
+        members.setdefault(root(i), []).append(i)
+    items = list(members.values())
+    forced = sorted({j for it in items if any(root(i) == root(m) for i in it for m in mandatory) for j in it})
+    items = [it for it in items if not set(it) & set(forced)]
 
     def key(it):
         return (sum(stats.saved_ops[i].ms for i in it) / sum(stats.saved_ops[i].bytes for i in it), it[0])
 
-    return sorted(items, key=key)
+    return sorted(items, key=key), forced
 
 
 def _cache_held(m, stats: ModelStats, items: list[list[int]], n: int, window) -> tuple[int, list[tuple[int, int]]]:
@@ -296,7 +335,8 @@ def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
             continue
         first = calls[0][0]
         op_ids = [i for i in m.saved_op_ids if first[0] <= stats.saved_ops[i].event < first[1]]
-        items, costs = order_items(ModuleReplay.of(stats, fqn), _discard_items(stats, op_ids))
+        items, forced = _discard_items(stats, op_ids, first)
+        items, costs = order_items(ModuleReplay.of(stats, fqn), items, first=forced)
         cum_t = np.asarray(costs)
         cum_first = np.cumsum([sum(stats.saved_ops[i].bytes for i in it) for it in items])
         picks = _choice_indices(cum_first, cum_t, max_choices)

@@ -107,9 +107,12 @@ class ModuleReplay:
         ]
 
 
-def order_items(rp: ModuleReplay, items: list[list[int]]) -> tuple[list[list[int]], list[float]]:
+def order_items(
+    rp: ModuleReplay, items: list[list[int]], first: list[int] | None = None
+) -> tuple[list[list[int]], list[float]]:
     """Order discard items so each prefix is a good choice, and give each
-    prefix's exact replay ms.
+    prefix's exact replay ms.  ``first`` (saved ops every choice discards)
+    joins the first item.
 
     Greedy by marginal replay ms per byte (an item shares the calls it needs
     with items already chosen), for modules with up to 200 items; larger ones
@@ -119,8 +122,8 @@ def order_items(rp: ModuleReplay, items: list[list[int]]) -> tuple[list[list[int
         return sum(rp.saved_ops[i].bytes for i in item)
 
     events_of = rp.events
-    discarded: set[int] = set()
-    have = rp.closure(rp.roots(set()), set())
+    discarded: set[int] = events_of(first or [])
+    have = rp.needed(discarded)
     remaining = list(range(len(items)))
     order: list[int] = []
 
@@ -139,7 +142,9 @@ def order_items(rp: ModuleReplay, items: list[list[int]]) -> tuple[list[list[int
             remaining.remove(best)
             discarded |= events_of(items[best])
             have = rp.needed(discarded)
-    out, costs, discarded = [items[i] for i in order], [], set()
+    out, costs, discarded = [list(items[i]) for i in order], [], set()
+    if first:
+        out = [list(first) + (out[0] if out else [])] + out[1:]
     for it in out:
         discarded |= events_of(it)
         costs.append(rp.cost(rp.needed(discarded)))
