@@ -46,3 +46,15 @@ def training_kwargs(model: nn.Module, kwargs: dict) -> dict | None:
     if not wanted or not builds_cache(model):
         return None
     return {**kwargs, "use_cache": False}
+
+
+def own_checkpointing(model: nn.Module) -> str | None:
+    """A one-line reason when ``model`` already checkpoints by itself (transformers'
+    ``gradient_checkpointing_enable()``), else None: its checkpoints would nest
+    inside autosac's and its memory is not the plan's to count."""
+    if _is_transformers_model(model) and getattr(model, "is_gradient_checkpointing", False):
+        return (
+            f"{type(model).__name__} has transformers' gradient checkpointing enabled: call "
+            "model.gradient_checkpointing_disable() first -- autosac decides what to checkpoint"
+        )
+    return None

@@ -14,6 +14,8 @@ import pytest
 import torch
 from suite import check_model, seeded
 
+import autosac
+
 transformers = pytest.importorskip("transformers")
 
 
@@ -91,3 +93,15 @@ def test_timm_vit_with_drop_path(timm):
 
     rows = check_model("timm-vit", seeded(build))
     assert sum(bool(r.bitwise) for r in rows) >= 2
+
+
+def test_a_model_that_checkpoints_by_itself_is_refused_in_one_line():
+    model, inputs = _llama("sdpa", False)()
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match=r"gradient_checkpointing_disable\(\) first"):
+        autosac.profile(model, inputs, loss_fn=lambda out: out.loss)
+    model.gradient_checkpointing_disable()
+    plan = autosac.solve(model, "90%", example_inputs=inputs, loss_fn=lambda out: out.loss)
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match=r"gradient_checkpointing_disable\(\) first"):
+        autosac.apply(model, plan)

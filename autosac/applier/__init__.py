@@ -22,7 +22,7 @@ from autosac.applier.region import RegionPolicy, warn_user
 from autosac.errors import PlanMismatchError, StatsFormatError
 from autosac.fingerprint import model_fingerprint
 from autosac.inputs import format_signature, input_signature
-from autosac.integrations import training_kwargs
+from autosac.integrations import own_checkpointing, training_kwargs
 from autosac.marks import APPLIED, POLICY
 from autosac.plan import Plan
 
@@ -49,6 +49,7 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
         PlanMismatchError: the plan was made for another model, or names a module
             the model does not have.  Nothing is changed.
         StatsFormatError: the plan is internally inconsistent (hand-edited).
+        ValueError: the model checkpoints by itself (transformers' gradient checkpointing).
 
     Example::
 
@@ -61,6 +62,9 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     if not isinstance(plan, Plan):
         raise TypeError(f"apply needs an autosac.Plan, got {type(plan).__name__}")
     plan.validate()
+    reason = own_checkpointing(model)
+    if reason is not None:
+        raise ValueError(reason)
     # Check everything before changing anything: nothing is applied halfway.
     modules = {}
     for fqn in plan.decisions:

@@ -10,6 +10,7 @@ from torch import nn
 from autosac.devices import DeviceSpec, resolve_target
 from autosac.fingerprint import model_fingerprint
 from autosac.inputs import input_signature, split_inputs
+from autosac.integrations import own_checkpointing
 from autosac.marks import has_applied_plan
 from autosac.optim import OptimizerSpec, optimizer_name
 from autosac.stats import ModelStats
@@ -53,8 +54,9 @@ def profile(
     Raises:
         NothingToCheckpointError: nothing requires grad / the loss is not differentiable.
         TraceError: the forward raised (the message names the module) or inputs don't fit.
-        ValueError: an unknown target or optimizer, ``world_size < 1``, or a model
-            that already has a plan applied.
+        ValueError: an unknown target or optimizer, ``world_size < 1``, a model
+            that already has a plan applied, or one that checkpoints by itself
+            (transformers' ``gradient_checkpointing_enable()``).
         TypeError: ``model`` is not an ``nn.Module``.
 
     Example::
@@ -66,6 +68,9 @@ def profile(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"profile needs an nn.Module, got {type(model).__name__}")
+    reason = own_checkpointing(model)
+    if reason is not None:
+        raise ValueError(reason)
     if has_applied_plan(model):
         raise ValueError("the model has an autosac plan applied: call autosac.unapply(model) before profiling it")
     spec = resolve_target(target)
