@@ -33,6 +33,8 @@ def cases():
         timm = import_timm()
         yield "timm-resnet10t", seeded(lambda: (timm.create_model("resnet10t", num_classes=10).train(),
                                                  torch.randn(16, 3, 96, 96))), {}
+        yield "timm-mobilenetv3", seeded(lambda: (timm.create_model("mobilenetv3_small_050", num_classes=10).train(),
+                                                   torch.randn(16, 3, 96, 96))), {}
         yield "timm-vit-tiny", seeded(lambda: (timm.create_model(
             "vit_tiny_patch16_224", num_classes=10, img_size=96, drop_path_rate=0.1, depth=4).train(),
             torch.randn(16, 3, 96, 96))), {}
@@ -41,6 +43,7 @@ def cases():
     for name, (build, tol) in ordinary.CASES.items():
         yield name, seeded(build), dict(tolerance=tol)
     yield "shared-block", seeded(lambda: (ordinary.SharedBlock(), torch.randn(1024, 16))), {}
+    yield "nested-shared", seeded(lambda: (ordinary.NestedShared(), torch.randn(2048, 64))), {}
 
 
 def main() -> None:

@@ -105,3 +105,14 @@ def test_a_model_that_checkpoints_by_itself_is_refused_in_one_line():
     model.gradient_checkpointing_enable()
     with pytest.raises(ValueError, match=r"gradient_checkpointing_disable\(\) first"):
         autosac.apply(model, plan)
+
+
+def test_timm_mobilenet_with_inplace_activations(timm):
+    """Depthwise convolutions, squeeze-excite and in-place Hardswish/ReLU."""
+
+    def build():
+        return timm.create_model("mobilenetv3_small_050", pretrained=False, num_classes=10).train(), \
+            torch.randn(16, 3, 96, 96)
+
+    rows = check_model("timm-mobilenetv3", seeded(build))
+    assert any(r.bitwise for r in rows)
