@@ -11,18 +11,21 @@ are matched to the plan's :attr:`~autosac.plan.Decision.calls` by position:
   copy of that tensor as it was.  The policy then keeps the plan's ``save``
   calls and recomputes the rest.
 * **Checks, per call.**  An op that differs from the traced one at the same
-  position (another branch, other shapes, ``eval()``) makes this call
-  recompute everything from there on and skip nothing; a call that reads other
-  results than traced makes the replay compute everything it re-runs.  Either
-  warns once per module and kind, pointing at the user's code.  The next call
-  that matches is checkpointed as planned again.
+  position (another branch, other shapes, ``eval()``), or that reads other
+  results than traced, makes this call recompute everything from there on and
+  skip nothing.  That warns once per module and kind, pointing at the user's
+  code; the next call that matches is checkpointed as planned again.  Should a
+  call write in place into an output the checkpoint cached after a re-run op
+  read it (the plan never lets that happen; a call that departs from it might),
+  its replay raises instead of computing a wrong gradient.
 * **Replay.**  A dispatch mode beneath SAC's recompute mode sees exactly the
   calls SAC re-runs, in order.  Calls the plan marks dead (and only while the
   call matched the plan) return an empty tensor of the recorded shape; views,
-  writes and random ops always run.  Writes to tensors from outside the region
-  go to a copy of the tensor as it was in the forward, and the Python state
-  the forward started from is swapped in for the replay
-  (:mod:`autosac.pystate`): recomputation never updates anything twice.
+  writes and random ops always run.  Outside tensors the region writes are
+  read and written, in the replay, in a copy of them as they were when the
+  region started, and the Python state the forward started from is swapped in
+  for the replay (:mod:`autosac.pystate`): recomputation never updates
+  anything twice.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from autosac.dataflow import DataflowTracker
@@ -76,13 +79,6 @@ class RegionPolicy:
             warn_user(message)
 
 
-@dataclass
-class _Rerun:
-    """What the replay does with one call SAC re-runs."""
-
-    shape: object = None  # outputs' shapes where the call may be skipped
-
-
 class RegionCall:
     """One forward call of a checkpointed module (see the module docstring)."""
 
@@ -92,9 +88,16 @@ class RegionCall:
         self.flow: DataflowTracker | None = DataflowTracker()
         self.n = 0
         self.last: tuple | None = None
-        self.differs: str | None = None  # the first op that differs from the plan
-        self.flow_differs: str | None = None  # the first call that reads other results
-        self.rerun: dict[str, list[_Rerun]] = defaultdict(list)
+        self.differs: str | None = None  # how the call first departed from the plan
+        self.kind = ""  # "ops" or "flow": which way it departed
+        self.unsafe: str | None = None  # a cached output written after a re-run op read it
+        # per op name, one entry per call SAC re-runs, in order: the outputs'
+        # shapes where the replay may skip the call, else None
+        self.rerun: dict[str, list] = defaultdict(list)
+        self.cached: set[int] = set()  # storages whose latest value the checkpoint caches
+        self.read_cached: set[int] = set()  # ... and that a re-run call has read since
+        self.reads: list[int] = []  # storages the last call read
+        self.writes: list[int] = []  # ... and wrote in place
         # storages made outside the region that it writes in place: id -> their
         # contents when the region first wrote them (= at the region's start)
         self.outside: dict[int, torch.UntypedStorage] = {}
@@ -107,8 +110,13 @@ class RegionCall:
         deps = tuple(self.flow.reads(args, kwargs))
         for value in written_tensors(func, args, kwargs):
             st = value.untyped_storage()
+            if id(st) in self.read_cached and self.unsafe is None:
+                self.unsafe = (f"{func.overloadpacket.__name__} (op call #{self.n}) wrote a cached output in place "
+                               "after an op the replay re-runs had read it")
             if id(st) not in self.outside and not self.flow.produced_here(value):
                 self.outside[id(st)] = st.clone()
+        self.reads = [id(a.untyped_storage()) for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        self.writes = [id(t.untyped_storage()) for t in written_tensors(func, args, kwargs)]
         out = func(*args, **kwargs)
         self.flow.record(self.n, func, args, kwargs, out)
         self.last = (self.n, func, deps)
@@ -118,57 +126,65 @@ class RegionCall:
     def policy_fn(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
         """SAC's question about the call :meth:`forward_op` just ran."""
         if self.last is None or self.last[1] is not func:  # cannot happen: keep the region correct anyway
-            self._set_differs("its op calls could not be followed")
+            self._depart("ops", "ran op calls that could not be followed")
             return CheckpointPolicy.PREFER_RECOMPUTE
         i, _, deps = self.last
         name = func.overloadpacket.__name__
         calls = self.policy.calls
         if self.differs is None:
             if i >= len(calls):
-                self._set_differs(f"ran more op calls than traced ({name} as call #{i})")
+                self._depart("ops", f"ran more op calls than traced ({name} as call #{i})")
             elif calls[i][0] != name:
-                self._set_differs(f"ran {name} as op call #{i} where the trace ran {calls[i][0]}")
-            elif calls[i][1] != deps and self.flow_differs is None:
-                self.flow_differs = f"op call #{i} ({name}) reads other results than in the trace"
+                self._depart("ops", f"ran {name} as op call #{i} where the trace ran {calls[i][0]}")
+            elif calls[i][1] != deps:
+                self._depart("flow", f"ran op call #{i} ({name}) on other results than in the trace")
+        outs = [id(t.untyped_storage()) for t in tree_leaves(ctx.op_output) if isinstance(t, torch.Tensor)]
         if self.differs is None and i in self.policy.save:
+            self.cached.update(outs)
+            self.read_cached.difference_update(outs)
             return CheckpointPolicy.MUST_SAVE
-        shape = tree_map(_shape_of, ctx.op_output) if i in self.policy.skip else None
-        self.rerun[name].append(_Rerun(shape))
+        skip = self.differs is None and i in self.policy.skip
+        if not skip:
+            self.read_cached.update(r for r in self.reads if r in self.cached)
+        if self.unsafe is None and any(w in self.cached for w in self.writes):
+            # the cached value already holds this write: the replay would write it twice
+            self.unsafe = f"{name} (op call #{i}), re-run in the replay, writes a cached output in place"
+        self.rerun[name].append(tree_map(_shape_of, ctx.op_output) if skip else None)
         return CheckpointPolicy.PREFER_RECOMPUTE
 
-    def _set_differs(self, what: str) -> None:
-        self.differs = what
+    def _depart(self, kind: str, what: str) -> None:
+        self.differs, self.kind = what, kind
 
     def finish(self) -> None:
         """After the forward: report how this call departed from the plan."""
         if self.differs is None and self.n < len(self.policy.calls):
-            self.differs = f"ran {self.n} op calls where the trace ran {len(self.policy.calls)}"
+            self._depart("ops", f"ran {self.n} op calls where the trace ran {len(self.policy.calls)}")
         self.flow = None  # its weak references are no longer needed
-        fqn = self.policy.fqn
-        if self.differs is not None and self.state.grew():
-            return  # a first call that built lazy state: later calls match the (steady-state) trace
-        if self.differs is not None:
-            self.policy.warn("ops", (
-                f"autosac: module '{fqn}' {self.differs} (other inputs, shapes or mode than traced?). "
-                "That call recomputes every op from the difference on and skips none: gradients are exact, "
-                "recompute time is higher and its memory may differ from the plan's. Calls that match "
-                "the plan stay checkpointed as planned; re-plan with the inputs you run."
-            ))
-        elif self.flow_differs is not None:
-            self.policy.warn("flow", (
-                f"autosac: module '{fqn}': {self.flow_differs}. Its replay computes every op it re-runs "
-                "(gradients exact, recompute slower than planned); re-plan with the inputs you run."
-            ))
+        self.cached = self.read_cached = set()
+        if self.differs is None or self.state.grew():
+            return  # matched, or a first call that built lazy state (later calls match the steady-state trace)
+        self.policy.warn(self.kind, (
+            f"autosac: module '{self.policy.fqn}' {self.differs} (other inputs, shapes or mode than traced?). "
+            "That call recomputes every op from the difference on and skips none: gradients are exact, "
+            "recompute time is higher and its memory may differ from the plan's. Calls that match "
+            "the plan stay checkpointed as planned; re-plan with the inputs you run."
+        ))
 
     @property
     def may_skip(self) -> bool:
-        return self.differs is None and self.flow_differs is None
+        return self.differs is None
 
     # ---------------------------------------------------------- replay
     def replay_op(self, func, args, kwargs, counts: dict[str, int], local: dict):
         """Beneath SAC's recompute mode: skip dead calls; reads and writes of
         outside tensors the region writes go to ``local``, the replay's own copy
         of them as they were at the region's start."""
+        if self.unsafe is not None:
+            raise RuntimeError(
+                f"autosac: module '{self.policy.fqn}' cannot replay this call exactly: {self.unsafe} "
+                "(its forward departed from the traced one). Re-plan with the inputs you run, or unapply the "
+                "plan for this step"
+            )
         if self.outside:
             args, kwargs = tree_map(lambda a: self._local_view(a, local), (args, kwargs))
         if is_sac_ignored(func):
@@ -177,14 +193,12 @@ class RegionCall:
         k = counts[name]
         counts[name] = k + 1
         queue = self.rerun.get(name, ())
-        entry = queue[k] if k < len(queue) else None
-        if entry is None:
-            return func(*args, **kwargs)
+        shape = queue[k] if k < len(queue) else None
         if (
-            entry.shape is not None and self.may_skip and not is_view_op(func) and not writes_input(func)
+            shape is not None and self.may_skip and not is_view_op(func) and not writes_input(func)
             and not is_random_op(func)
         ):
-            return tree_map(_empty_like_shape, entry.shape)
+            return tree_map(_empty_like_shape, shape)
         return func(*args, **kwargs)
 
     def _local_view(self, a, local: dict):
