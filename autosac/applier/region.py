@@ -108,7 +108,8 @@ class RegionCall:
         if is_sac_ignored(func):
             return func(*args, **kwargs)
         deps = tuple(self.flow.reads(args, kwargs))
-        for value in written_tensors(func, args, kwargs):
+        written = written_tensors(func, args, kwargs)
+        for value in written:
             st = value.untyped_storage()
             if id(st) in self.read_cached and self.unsafe is None:
                 self.unsafe = (f"{func.overloadpacket.__name__} (op call #{self.n}) wrote a cached output in place "
@@ -116,7 +117,7 @@ class RegionCall:
             if id(st) not in self.outside and not self.flow.produced_here(value):
                 self.outside[id(st)] = st.clone()
         self.reads = [id(a.untyped_storage()) for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        self.writes = [id(t.untyped_storage()) for t in written_tensors(func, args, kwargs)]
+        self.writes = [id(t.untyped_storage()) for t in written]
         out = func(*args, **kwargs)
         self.flow.record(self.n, func, args, kwargs, out)
         self.last = (self.n, func, deps)
