@@ -95,6 +95,10 @@ class ModuleStats:
     outside_write_bytes: int = 0  # written in place but made before the call: kept as they were until the replay
     bw_windows: list = field(default_factory=list)  # per forward call: [first, last] backward event of its nodes
     retained_input_calls: list[int] = field(default_factory=list)  # retained_input_bytes per call
+    # per call, what makes up retained_input_bytes: [storage, bytes, event the unmodified step frees it];
+    # storage numbers are shared across modules, so a tensor several checkpoints keep (a mask passed
+    # to every block) is counted once
+    retained_inputs: list[list[list[int]]] = field(default_factory=list)
     outside_write_calls: list[int] = field(default_factory=list)  # outside_write_bytes per call
     saved_op_ids: list[int] = field(default_factory=list)
     discardable_bytes: int = 0

@@ -261,3 +261,50 @@ def test_linked_calls_of_a_shared_module_match_exhaustive_search(solver):
         plan = solve_stats(stats, budget, solver=solver, problem=problem, max_choices=2)
         assert plan.predicted_peak_bytes <= budget
         assert math.isclose(plan.recompute_ms, best_ms, rel_tol=1e-6, abs_tol=1e-9), (frac, plan.recompute_ms, best_ms)
+
+
+class MaskedBlock(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.inner = Block(d, 0.0)
+
+    def forward(self, x, mask):
+        return self.inner(x) + mask  # add keeps nothing: only a checkpoint keeps the mask
+
+
+class SharedMask(nn.Module):
+    """A mask made once and passed to every block: every checkpoint keeps it."""
+
+    def __init__(self, d=32, n=3):
+        super().__init__()
+        self.blocks = nn.ModuleList(MaskedBlock(d) for _ in range(n))
+
+    def forward(self, x):
+        mask = (x.detach().abs() > 0.1).to(x.dtype) * 2.0
+        for b in self.blocks:
+            x = b(x, mask)
+        return x
+
+
+@pytest.mark.parametrize("solver", ["cbc", "highs"])
+def test_an_input_every_checkpoint_keeps_counts_once_and_matches_exhaustive_search(solver):
+    torch.manual_seed(0)
+    stats = autosac.profile(SharedMask(), torch.randn(256, 32), target="a100", optimizer="none")
+    problem = build_problem(stats, max_choices=2)
+    mask_bytes = 256 * 32 * 4
+    assert [s.bytes for s in problem.shared] == [mask_bytes]
+    assert len(problem.shared[0].holders) >= 3
+    # two checkpoints keeping the mask cost one mask, not two
+    a, b = (i for i, c in enumerate(problem.candidates) if c.fqn in ("blocks.0", "blocks.1"))
+    both = problem.evaluate({a: 1, b: 1})
+    naive = problem.with_shared_held_by_each().evaluate({a: 1, b: 1})
+    assert naive - both == mask_bytes
+    low, _ = least_peak(problem, solver=solver)
+    high = int(problem.live.max())
+    for frac in (0.0, 0.2, 0.5, 0.8):
+        budget = int(low + frac * (high - low))
+        best_ms, _ = _exhaustive(problem, budget)
+        for presolve in (True, False):
+            plan = solve_stats(stats, budget, solver=solver, problem=problem, max_choices=2, presolve=presolve)
+            assert plan.predicted_peak_bytes <= budget
+            assert math.isclose(plan.recompute_ms, best_ms, rel_tol=1e-6, abs_tol=1e-9), (frac, presolve)

@@ -102,7 +102,8 @@ def test_attention_block_saved_bytes():
     assert root.discardable_bytes == qkv + probs
     # the unscaled and scaled scores are transient: each lives only until its consumer ran
     params = 3 * d * d * F32
-    assert _forward_end_live(s) == params + b * t * d * F32 + qkv + probs + b * t * d * F32
+    # ... and the division keeps its divisor, a Python number, as an 8-byte double tensor
+    assert _forward_end_live(s) == params + b * t * d * F32 + qkv + probs + b * t * d * F32 + 8
 
 
 def test_module_tree_and_orders():

@@ -66,22 +66,28 @@ def solve_stats(
         return _make_plan(stats, problem, {}, budget_bytes, _trivial(solver))
     milp = build_milp(problem, budget_bytes)
     start = chain = None
+    exact = not problem.shared
     if presolve:
         # Nested intervals: the exact chain DP gives the optimum; the MILP gets it
-        # as a proven lower bound and (CBC) as its starting solution.
+        # as a proven lower bound and (CBC) as its starting solution.  With inputs
+        # that several checkpoints keep, the DP counts them once per checkpoint:
+        # its plan still fits and is a starting solution, but neither optimal
+        # nor a bound, and its "infeasible" proves nothing.
+        dp_problem = problem if exact else problem.with_shared_held_by_each()
         try:
-            chain = solve_chain(problem, budget_bytes, milp_needs(problem, budget_bytes))
+            chain = solve_chain(dp_problem, budget_bytes, milp_needs(dp_problem, budget_bytes))
         except NotAChain:
             pass
         else:
-            if chain is None:
+            if chain is None and exact:
                 milp = None
-            else:
-                milp = with_objective_bound(milp, chain.objective * (1 - 1e-9) - 1e-9)
+            elif chain is not None:
+                if exact:
+                    milp = with_objective_bound(milp, chain.objective * (1 - 1e-9) - 1e-9)
                 start = encode(milp, chain.choice)
     sol = BACKENDS[solver](milp, time_limit_s, start) if milp is not None else Solution(
         None, "infeasible", math.inf, math.nan, math.inf, 0.0, solver)
-    if sol.x is None and chain is not None:
+    if sol.x is None and chain is not None and (exact or problem.evaluate(chain.choice) <= budget_bytes):
         # The MILP ran out of time before confirming it: the chain optimum stands, flagged.
         info = {**_info(sol), "status": "time_limit_presolve", "objective": chain.objective, "presolve": "chain"}
         return _make_plan(stats, problem, chain.choice, budget_bytes, info)

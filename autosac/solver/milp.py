@@ -1,7 +1,9 @@
 """The MILP in matrix form, shared by both backends so they solve the same problem.
 
-Variables: ``z[i,k]`` binary -- candidate ``i`` takes discard choice ``k`` --
-and, for the least-peak problem, one continuous peak ``P``.
+Variables: ``z[i,k]`` binary -- candidate ``i`` takes discard choice ``k`` --,
+``y[s,r]`` in [0, 1] per shared hold ``s`` (an input several checkpoints keep)
+and release ``r`` -- it is still held at events up to ``r`` -- and, for the
+least-peak problem, one continuous peak ``P``.
 
 * at most one choice per root-to-leaf path (nothing checkpointed inside a
   checkpointed module): one row per leaf candidate over its ancestors, O(n * depth);
@@ -13,6 +15,10 @@ and, for the least-peak problem, one continuous peak ``P``.
   A segment row is dropped when another row asks at least as much of a subset
   of its modules (it is implied), which leaves few rows: a covering row per
   distinct requirement, each an explicit knapsack the solvers can cut on;
+* a shared hold is held up to the last backward of its chosen holders:
+  ``y[s,r] >= z`` of each holder whose backward ends at ``r``, and
+  ``y[s,r] >= y[s,r']`` for the next release ``r'``; memory rows charge its
+  bytes once, through ``y`` (nothing pushes ``y`` above what the choice implies);
 * recomputation: at each candidate's backward start, its transient working
   memory must fit beside what the other checkpoints still save;
 * objective: total recompute ms (or the peak ``P``).
@@ -22,7 +28,8 @@ Memory is in MiB inside the matrix to keep coefficients well scaled.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, field
 
 import numpy as np
 from scipy import sparse
@@ -44,6 +51,7 @@ class MatrixMILP:
     integer: np.ndarray  # 1 for binaries
     z_index: list[list[int]]  # candidate -> column per choice
     peak_col: int | None  # least-peak mode: the column of the peak variable
+    held_cols: dict[int, list[int]] = field(default_factory=dict)  # y column -> candidates that make it 1
 
 
 @dataclass
@@ -52,6 +60,7 @@ class _Need:
     penalty: int  # bitmask of candidates whose checkpoint holds extra bytes here (inside their backward)
     bytes: float  # traced live bytes there (segment peak, or live bytes at a recompute)
     work_of: int | None  # candidate whose recompute adds its working memory here
+    shared: frozenset = frozenset()  # (shared hold, release): held here if a holder released at or after it is chosen
 
 
 def _needs(problem: Problem) -> list[_Need]:
@@ -60,6 +69,16 @@ def _needs(problem: Problem) -> list[_Need]:
     cuts = {0, n}
     for c in cands:
         cuts.update((c.start, c.end, c.bw_end + 1))
+    cuts.update(s.freed for s in problem.shared)
+    releases = [sorted({cands[i].bw_end for i in s.holders}) for s in problem.shared]
+
+    def shared_at(t: int) -> frozenset:
+        out = []
+        for si, s in enumerate(problem.shared):
+            if s.freed <= t <= releases[si][-1]:
+                out.append((si, releases[si][bisect.bisect_left(releases[si], t)]))
+        return frozenset(out)
+
     starts = np.array(sorted(x for x in cuts if x < n), dtype=np.int64)
     peaks = np.maximum.reduceat(problem.live, starts) if n else np.zeros(0)
     # sweep the cuts, tracking whose savings and whose holds apply
@@ -82,12 +101,13 @@ def _needs(problem: Problem) -> list[_Need]:
             else:
                 pen &= ~bit
         at[int(s)] = (cover, pen)
-        needs.append(_Need(cover, pen, float(peaks[j]), None))
+        needs.append(_Need(cover, pen, float(peaks[j]), None, shared_at(int(s))))
     for i, c in enumerate(cands):
         if c.end < n:
             cov, pn = at[c.end]
             # the replay runs before the backward op there allocates anything
-            needs.append(_Need(cov, pn & ~(1 << i), float(problem.live[c.end] - problem.made[c.end]), i))
+            needs.append(_Need(cov, pn & ~(1 << i), float(problem.live[c.end] - problem.made[c.end]), i,
+                               shared_at(c.end)))
     return needs
 
 
@@ -104,10 +124,10 @@ def _prune(needs: list[_Need], floor: float, problem: Problem) -> list[_Need]:
 
     live = []
     for nd in needs:
-        top = nd.bytes + held(nd.penalty)
+        top = nd.bytes + held(nd.penalty) + sum(problem.shared[si].bytes for si, _ in nd.shared)
         if nd.work_of is not None:
             c = cands[nd.work_of]
-            top = nd.bytes + held(nd.penalty) + c.hold + max(c.work)
+            top += c.hold + max(c.work)
         if top > floor:
             live.append(nd)
     live.sort(key=lambda nd: (bin(nd.cover).count("1"), -nd.bytes))
@@ -115,6 +135,7 @@ def _prune(needs: list[_Need], floor: float, problem: Problem) -> list[_Need]:
     for nd in live:
         implied = nd.work_of is None and any(
             k.work_of is None and k.bytes >= nd.bytes and (k.cover & ~nd.cover) == 0 and (nd.penalty & ~k.penalty) == 0
+            and nd.shared <= k.shared
             for k in kept
         )
         if not implied:
@@ -136,9 +157,17 @@ def build_milp(problem: Problem, budget_bytes: int | None) -> MatrixMILP:
         z_index.append(list(range(col, col + len(c.bytes))))
         col += len(c.bytes)
     n_z = col
+    # y[s, r]: shared hold s is held at events up to release r (some chosen holder's backward ends at or after r)
+    y_col: dict[tuple[int, int], int] = {}
+    held_cols: dict[int, list[int]] = {}
+    for si, s in enumerate(problem.shared):
+        for r in sorted({cands[i].bw_end for i in s.holders}):
+            y_col[si, r] = col
+            held_cols[col] = [i for i in s.holders if cands[i].bw_end >= r]
+            col += 1
     least_peak = budget_bytes is None
-    n_cols = n_z + (1 if least_peak else 0)
-    peak_col = n_z if least_peak else None
+    n_cols = col + (1 if least_peak else 0)
+    peak_col = col if least_peak else None
 
     rows, cols, vals, lo, hi = [], [], [], [], []
 
@@ -163,6 +192,14 @@ def build_milp(problem: Problem, budget_bytes: int | None) -> MatrixMILP:
             for a, b in zip(z_index[group[0]], z_index[other]):
                 add([(a, 1.0), (b, -1.0)], 0.0, 0.0)
 
+    # shared holds: y[s, r] >= y[s, r'] for the next release r', and >= z of each holder released at r
+    for si, s in enumerate(problem.shared):
+        rs = sorted({cands[i].bw_end for i in s.holders})
+        for r, nxt in zip(rs, rs[1:]):
+            add([(y_col[si, r], 1.0), (y_col[si, nxt], -1.0)], 0.0, np.inf)
+        for i in s.holders:
+            add([(y_col[si, cands[i].bw_end], 1.0)] + [(zc, -1.0) for zc in z_index[i]], 0.0, np.inf)
+
     # memory: savings of the covering candidates, less the holds of those in
     # their backward (and the recomputing one's work) >= live - budget
     floor = -np.inf if least_peak else float(budget_bytes)
@@ -172,6 +209,7 @@ def build_milp(problem: Problem, budget_bytes: int | None) -> MatrixMILP:
         if nd.work_of is not None:
             w = cands[nd.work_of]
             entries += [(zc, -(x + w.hold) / MIB) for zc, x in zip(z_index[nd.work_of], w.work)]
+        entries += [(y_col[key], -problem.shared[key[0]].bytes / MIB) for key in nd.shared]
         if least_peak:
             add(entries + [(peak_col, 1.0)], nd.bytes / MIB, np.inf)
         else:
@@ -189,14 +227,14 @@ def build_milp(problem: Problem, budget_bytes: int | None) -> MatrixMILP:
     integer = np.zeros(n_cols, dtype=np.int8)
     integer[:n_z] = 1
     A = sparse.csr_matrix((vals, (rows, cols)), shape=(len(lo), n_cols))
-    return MatrixMILP(c_vec, A, np.array(lo), np.array(hi), lb, ub, integer, z_index, peak_col)
+    return MatrixMILP(c_vec, A, np.array(lo), np.array(hi), lb, ub, integer, z_index, peak_col, held_cols)
 
 
 def with_objective_bound(m: MatrixMILP, lower: float) -> MatrixMILP:
     """``m`` plus the row ``objective >= lower`` (a bound proven elsewhere)."""
     A = sparse.vstack([m.A, sparse.csr_matrix(m.c)]).tocsr()
     return MatrixMILP(m.c, A, np.append(m.row_lo, lower), np.append(m.row_hi, np.inf), m.lb, m.ub,
-                      m.integer, m.z_index, m.peak_col)
+                      m.integer, m.z_index, m.peak_col, m.held_cols)
 
 
 def encode(m: MatrixMILP, choice: dict[int, int]) -> np.ndarray:
@@ -204,6 +242,8 @@ def encode(m: MatrixMILP, choice: dict[int, int]) -> np.ndarray:
     x = np.zeros(len(m.c))
     for i, k in choice.items():
         x[m.z_index[i][k - 1]] = 1.0
+    for col, holders in m.held_cols.items():
+        x[col] = float(any(i in choice for i in holders))
     return x
 
 

@@ -18,7 +18,7 @@ so every choice is a real set of ops, priced by exactly what its replay computes
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -53,6 +53,24 @@ class Candidate:
     ancestors: list[int] = field(default_factory=list)  # candidate indices above it
     call: int = 0  # which forward call of the module (a module called n times has n candidates)
     window: tuple[int, int] = (0, 0)  # that call's forward events
+    retained: list[tuple[int, int, int]] = field(default_factory=list)  # (storage, bytes, freed) in ``hold``
+
+
+@dataclass
+class SharedHold:
+    """An input several candidates' checkpoints keep (a mask passed to every
+    block): the unmodified step frees it at ``freed``; checkpointed, it lives on
+    until the last backward among the chosen ``holders`` ends.  Its bytes are
+    in no holder's ``hold``: the peak counts it once."""
+
+    bytes: int
+    freed: int
+    holders: list[int]  # candidate indices
+
+    def until(self, candidates: list[Candidate], chosen) -> int | None:
+        """The last event it is held when the candidates in ``chosen`` are checkpointed."""
+        ends = [candidates[i].bw_end for i in self.holders if i in chosen]
+        return max(ends) if ends else None
 
 
 @dataclass
@@ -63,6 +81,7 @@ class Problem:
     always_ms: float  # recompute every plan pays: parameter casts
     baseline_peak: int  # the unconstrained peak: sharded over world_size, parameter casts saved
     linked: list[list[int]] = field(default_factory=list)  # candidates (calls of one module) that choose alike
+    shared: list[SharedHold] = field(default_factory=list)
 
     def group_of(self, i: int) -> list[int]:
         """Candidate ``i`` and the other calls of its module."""
@@ -75,12 +94,26 @@ class Problem:
             c = self.candidates[i]
             mem[c.start : c.end] -= c.bytes[k - 1]
             mem[c.end : c.bw_end + 1] += c.hold
+        for s in self.shared:
+            until = s.until(self.candidates, choice)
+            if until is not None:
+                mem[s.freed : until + 1] += s.bytes
         peak = int(mem.max()) if len(mem) else 0
         for i, k in choice.items():
             c = self.candidates[i]
             if c.end < len(mem):
                 peak = max(peak, int(mem[c.end] - self.made[c.end]) + c.work[k - 1])
         return peak
+
+    def with_shared_held_by_each(self) -> Problem:
+        """This problem with every shared input counted in each holder's ``hold``:
+        its peaks are never below this one's, so its plans fit here too."""
+        cands = [replace(c, bytes=list(c.bytes), ancestors=list(c.ancestors)) for c in self.candidates]
+        for s in self.shared:
+            for i in s.holders:
+                cands[i].hold += s.bytes
+                cands[i].bytes = [b - s.bytes for b in cands[i].bytes]
+        return replace(self, candidates=cands, shared=[])
 
     def recompute_ms(self, choice: dict[int, int]) -> float:
         return self.always_ms + sum(self.candidates[i].ms[k - 1] for i, k in choice.items())
@@ -315,6 +348,30 @@ def _is_fqn_ancestor(a: str, c: str) -> bool:
     return a == "" and c != "" or c.startswith(a + ".")
 
 
+def _share_retained(candidates: list[Candidate]) -> list[SharedHold]:
+    """Take the inputs that several candidates keep out of their ``hold`` into
+    shared holds, counted once.  Only inputs the unmodified step frees after
+    every holder's forward ends: then, whichever holders are chosen, the input
+    lives from its free to the last of their backwards."""
+    holders: dict[int, list[int]] = {}
+    size: dict[int, tuple[int, int]] = {}
+    for i, c in enumerate(candidates):
+        for sid, nbytes, freed in c.retained:
+            holders.setdefault(sid, []).append(i)
+            size[sid] = (nbytes, freed)
+    shared = []
+    for sid, idx in holders.items():
+        nbytes, freed = size[sid]
+        if len(idx) < 2 or any(candidates[i].start > freed for i in idx):
+            continue
+        for i in idx:
+            c = candidates[i]
+            c.hold -= nbytes
+            c.bytes = [b + nbytes for b in c.bytes]
+        shared.append(SharedHold(bytes=nbytes, freed=freed, holders=idx))
+    return shared
+
+
 def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
     """Read the checkpointing problem off ``stats``.
 
@@ -348,6 +405,7 @@ def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
                 break
             cum_b = np.cumsum([sum(stats.saved_ops[i].bytes for i in it) for it in mine])
             retained = m.retained_input_calls[j] if j < len(m.retained_input_calls) else m.retained_input_bytes
+            parts = [tuple(r) for r in m.retained_inputs[j]] if j < len(m.retained_inputs) else []
             outside = m.outside_write_calls[j] if j < len(m.outside_write_calls) else m.outside_write_bytes
             hold = retained + stats.checkpoint_state_bytes + outside
             # what the cache holds for kept ops is not saved either (conservatively
@@ -359,7 +417,7 @@ def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
                 n_items=list(picks), items=mine, discardable_bytes=int(cum_b[-1]), hold=hold,
                 # the replay also works on its own copy of what the call writes outside itself
                 work=[w + outside for w in _recompute_extra(stats, m, mine, picks, window)], call=j,
-                window=tuple(window),
+                window=tuple(window), retained=parts,
             ))
         if not group:
             continue
@@ -378,9 +436,11 @@ def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
     # makes the intervals nest, which the chain solver exploits
     candidates.sort(key=lambda c: (c.start, -c.end, -stats.modules[c.fqn].depth))
     _set_ancestors(stats, candidates)
+    shared = _share_retained(candidates)
     always = sum(op.ms for op in stats.saved_ops if op.param_cast)
     baseline = int(_adjusted_live(stats, drop_casts=False).max(initial=0)) if stats.world_size > 1 else stats.peak_bytes
     made = np.asarray(stats.timeline.made_bytes or np.zeros(len(live)), dtype=np.int64)
     position = {id(c): i for i, c in enumerate(candidates)}
     groups = [sorted(position[id(c)] for c in g) for g in linked]
-    return Problem(live=live, made=made, candidates=candidates, always_ms=always, baseline_peak=baseline, linked=groups)
+    return Problem(live=live, made=made, candidates=candidates, always_ms=always, baseline_peak=baseline, linked=groups,
+                   shared=shared)

@@ -261,7 +261,8 @@ def _module_stats(step: TracedStep, live: np.ndarray, times: _Times, saved: _Sav
             fw_ms=times.fw_ms.get(fqn, 0.0), bw_ms=times.bw_ms.get(fqn, 0.0),
             recompute_work_bytes=work.get(fqn, 0),
             recompute_profile=profiles.get(fqn, []),
-            retained_input_bytes=retained[0] if retained else 0, retained_input_calls=retained,
+            retained_input_bytes=sum(b for _, b, _ in retained[0]) if retained else 0,
+            retained_input_calls=[sum(b for _, b, _ in call) for call in retained], retained_inputs=retained,
             outside_write_bytes=outside[0] if outside else 0, outside_write_calls=outside,
             saved_op_ids=ids, discardable_bytes=sum(saved.ops[i].bytes for i in ids if _in_first(saved.ops[i], windows)),
             cache_holds=sorted([e, b] for e, b in cache_holds.get(fqn, {}).items()),
@@ -275,15 +276,15 @@ def _in_first(op: SavedOp, windows: list) -> bool:
     return not windows or windows[0][0] <= op.event < windows[0][1]
 
 
-def _retained_inputs(rec, inputs: list[int], bw_span) -> int:
-    """Bytes of one call's inputs that a checkpoint keeps alive although the
-    unmodified step frees them before that call's backward."""
+def _retained_inputs(rec, inputs: list[int], bw_span) -> list[list[int]]:
+    """One call's inputs that a checkpoint keeps alive although the unmodified
+    step frees them before that call's backward: ``[storage, bytes, freed event]``."""
     if bw_span is None:
-        return 0
-    return sum(
-        rec.storages[i].nbytes for i in inputs
+        return []
+    return [
+        [i, rec.storages[i].nbytes, rec.storages[i].freed] for i in sorted(set(inputs))
         if rec.storages[i].kind in ("act", "temp") and rec.storages[i].freed <= bw_span[0]
-    )
+    ]
 
 
 def _outside_writes(rec, window) -> int:

@@ -204,6 +204,32 @@ def probed_scratch_bytes(func, args, kwargs, default: int) -> int:
     return default if found is None else found
 
 
+_WRAPPED = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
+
+
+def scalar_scratch_bytes(func, args, kwargs) -> int:
+    """What a CPU pointwise kernel allocates for a Python number passed as its
+    ``other`` operand (``x * 2.0``, ``ids.ne(-100)``): the number wrapped in a
+    0-dim tensor (8 bytes for a float or int, 1 for a bool), plus its cast to
+    the op's dtype where that differs (4 more for float32).  Numbers in other
+    slots (``alpha``, ``min``, a fill value) are kernel parameters and cost
+    nothing.  Measured with the profiler's allocator events; on a GPU the
+    number is a kernel argument and costs no device memory."""
+    if torch.Tag.pointwise not in func.tags:
+        return 0
+    total = 0
+    for i, arg in enumerate(func._schema.arguments):
+        v = args[i] if i < len(args) else kwargs.get(arg.name)
+        if arg.name != "other" or type(v) not in _WRAPPED:
+            continue
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if first is None or first.device.type != "cpu":
+            return 0
+        wrapped = _WRAPPED[type(v)]
+        total += wrapped.itemsize + (first.element_size() if first.dtype != wrapped else 0)
+    return total
+
+
 def real_output_bytes(func, args, kwargs) -> tuple[int, ...] | None:
     """Storage bytes of each tensor output when the real kernel runs (on zeros
     of the same shapes; inputs up to 256 MiB), or None."""
@@ -215,6 +241,15 @@ def real_output_bytes(func, args, kwargs) -> tuple[int, ...] | None:
         return _probe(func, _spec(tuple(args)), tuple(sorted((k, _spec(v)) for k, v in kwargs.items())))
     except TypeError:  # unhashable arguments
         return None
+
+
+def _number_in_tensor_slot(func, args, kwargs) -> bool:
+    """Whether a Python number was passed where the schema takes a Tensor."""
+    for i, arg in enumerate(func._schema.arguments):
+        v = args[i] if i < len(args) else kwargs.get(arg.name)
+        if isinstance(v, (int, float, complex)) and isinstance(arg.type, torch.TensorType):
+            return True
+    return False
 
 
 def common_prefix(a: Stack, b: Stack) -> Stack:
@@ -245,6 +280,8 @@ class StepRecorder(TorchDispatchMode):
         self._seq_stacks: list[Stack] = []
         self._seq_events: list[int] = []
         self._flow = DataflowTracker()
+        self._number_args: set[int] = set()  # forward events with a number in a Tensor argument
+        self.device_type = "cpu"  # the device the traced step's tensors are on
         self.fake_mode = None  # the trace's FakeTensorMode (writes into the model's real tensors go to fakes)  # forward ops' reads (autosac.dataflow: shared with the applier)
 
     # ----------------------------------------------------------- storages
@@ -315,12 +352,26 @@ class StepRecorder(TorchDispatchMode):
         for ref, stack, event in self._pending:
             t = ref()
             if t is not None and t.grad_fn is not None:
+                if event in self._number_args:
+                    self._track_saved_numbers(t.grad_fn, event)
                 seq = t.grad_fn._sequence_nr()
                 if not self._seq_keys or seq > self._seq_keys[-1]:
                     self._seq_keys.append(seq)
                     self._seq_stacks.append(stack)
                     self._seq_events.append(event)
         self._pending.clear()
+        self._number_args.clear()
+
+    def _track_saved_numbers(self, node, event: int) -> None:
+        """Count the numbers an op took as 0-dim tensors that its backward node
+        keeps (``x * 0.5`` keeps 0.5 as an 8-byte tensor).  Autograd saves these
+        without saved-tensor hooks, so a checkpoint cannot discard them either:
+        they live until the node's backward, checkpointed or not."""
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                v = getattr(node, name)
+                if self._is_loose_scalar(v):
+                    self.track(v, "act", created=event)
 
     def _backward_stack(self) -> tuple[Stack, int]:
         """The module stack the running backward node was created in, and the
@@ -388,6 +439,7 @@ class StepRecorder(TorchDispatchMode):
         scratch = transient_bytes(func, args)
         if needs_probe(func, args):
             scratch = probed_scratch_bytes(func, args, kwargs, scratch)
+        scratch += scalar_scratch_bytes(func, args, kwargs) + self._loose_scalar_bytes(args)
         if scratch:
             rec.transient[idx] = scratch
 
@@ -409,9 +461,24 @@ class StepRecorder(TorchDispatchMode):
                     rec.written.setdefault(idx, []).append((r.producer, self.index_of(t), r.nbytes))
         if phase == "forward":
             self._note_param_use(func, args, outs)
+            if _number_in_tensor_slot(func, args, kwargs):
+                self._number_args.add(idx)
             # grad_fn is attached above this dispatch level: resolve it at the next op
             self._pending.extend((weakref.ref(t), stack, idx) for t in outs if t.is_floating_point())
         return out
+
+    def _loose_scalar_bytes(self, args) -> int:
+        """Bytes of real 0-dim cpu tensors the op reads that the trace never saw
+        made: Python made them for this call from a number (``torch.where(c, x,
+        0.0)``) and frees them after it."""
+        return sum(a.untyped_storage().nbytes() for a in args if self._is_loose_scalar(a))
+
+    def _is_loose_scalar(self, t) -> bool:
+        """A real 0-dim tensor on the traced device that no op of the trace made."""
+        return (
+            isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and t.dim() == 0
+            and t.device.type == self.device_type and self.index_of(t) is None
+        )
 
     def _note_param_use(self, func, args, outs) -> None:
         name = func.overloadpacket.__name__
