@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from autosac.allocations import allocation_peak
 from autosac.inputs import split_inputs
 from autosac.optim import OptimizerSpec, default_loss, make_optimizer
 
@@ -78,6 +79,10 @@ def measure(
     args, kwargs = split_inputs(example_inputs)
     opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
 
+    # inputs that require grad get theirs anew each step, as parameters do
+    # (a gradient left from the step before would be written in place, unseen)
+    grad_inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+
     def step() -> float:
         loss = loss_fn(model(*args, **kwargs))
         loss.backward()
@@ -88,6 +93,8 @@ def measure(
             opt.zero_grad(set_to_none=True)
         else:
             model.zero_grad(set_to_none=True)
+        for t in grad_inputs:
+            t.grad = None
         return value
 
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -112,11 +119,5 @@ def measure(
     if opt is not None:
         alive += [t for st in opt.state.values() for t in st.values()]
     base = _storage_bytes(alive)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    current = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        current += e.nbytes()
-        peak = max(peak, current)
+    peak, _ = allocation_peak(step)
     return Measurement(base + peak, statistics.median(times), times, loss)

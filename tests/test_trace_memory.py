@@ -209,3 +209,26 @@ def test_stats_json_round_trip_and_version_check():
         autosac.ModelStats.from_json(bad)
     with pytest.raises(autosac.StatsFormatError):
         autosac.ModelStats.from_json("{not json")
+
+
+class TwoPaths(nn.Module):
+    """``h`` feeds two small heads: autograd sums their gradients for ``h`` (the
+    step's peak), in place into the first that arrives when the engine holds
+    its last reference; the heads keep their scale factors as 0-dim tensors."""
+
+    def __init__(self, d=4096):
+        super().__init__()
+        self.inp, self.a, self.b = nn.Linear(16, d), nn.Linear(d, 1), nn.Linear(d, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        return self.a(h) * 0.5 + self.b(h) / 3.0
+
+
+@pytest.mark.parametrize("x_requires_grad", [False, True])
+def test_gradient_sums_and_numbers_match_the_measured_peak_exactly(x_requires_grad):
+    torch.manual_seed(0)
+    model, x = TwoPaths(), torch.randn(256, 16, requires_grad=x_requires_grad)
+    stats = autosac.profile(model, x, optimizer="sgd", target="cpu")
+    measured = autosac.measure(model, x, optimizer="sgd", steps=1).peak_bytes
+    assert stats.peak_bytes == measured

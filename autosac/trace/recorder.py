@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from autosac.allocations import allocation_peak
 from autosac.dataflow import DataflowTracker
 from autosac.opkinds import is_random_op, is_view_op, writes_input, written_tensors
 from autosac.trace.costs import CostModel, transient_bytes
@@ -118,8 +119,12 @@ def run_op(func, args, kwargs, made_in_trace=lambda t: False, fake_mode=None):
 # RNN workspace): their output sizes are read off a real call on zeros.
 REAL_SIZE_OPS = frozenset({"mkldnn_rnn_layer"})
 # Kernels whose internal working memory depends on the kernel's own choices
-# (oneDNN's reorders in a convolution's backward): measured on a real call on zeros.
-PROBE_SCRATCH_OPS = frozenset({"convolution_backward"})
+# (oneDNN's reorders in a convolution's backward; the CPU flash attention's
+# per-thread blocks): measured on a real call on zeros.
+PROBE_SCRATCH_OPS = frozenset({
+    "convolution_backward", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+})
 # Matmuls in half precision (oneDNN converts and reorders blocks internally).
 _HALF_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
 
@@ -135,6 +140,7 @@ def needs_probe(func, args) -> bool:
 # Kernels whose internal working memory is large and not modelled (yet).
 UNSEEN_SCRATCH_OPS = frozenset({"mkldnn_rnn_layer_backward"})
 _PROBE_CAP_BYTES = 256 << 20
+_PROBE_CAP_FLOPS = 3e10  # a probe runs the kernel for real: about a second here at most
 
 
 @dataclass(frozen=True)
@@ -163,7 +169,7 @@ def _real(x):
 @lru_cache(maxsize=256)
 def _probe(func, args: tuple, kwargs: tuple) -> tuple[int, ...] | None:
     try:
-        with unset_fake_temporarily():
+        with unset_fake_temporarily(), torch.random.fork_rng(devices=[]):
             out = func(*[_real(a) for a in args], **{k: _real(v) for k, v in kwargs})
         return tuple(t.untyped_storage().nbytes() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
     except Exception:  # noqa: BLE001 - no probe: keep the meta kernel's sizes
@@ -173,18 +179,10 @@ def _probe(func, args: tuple, kwargs: tuple) -> tuple[int, ...] | None:
 @lru_cache(maxsize=512)
 def _probe_scratch(func, args: tuple, kwargs: tuple) -> int | None:
     try:
-        with unset_fake_temporarily():
+        with unset_fake_temporarily(), torch.random.fork_rng(devices=[]):  # never advance the real RNG
             real_args = [_real(a) for a in args]
             real_kwargs = {k: _real(v) for k, v in kwargs}
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-                out = func(*real_args, **real_kwargs)
-            del out
-        level = peak = 0
-        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-        for e in sorted(events, key=lambda e: e.start_ns()):
-            level += e.nbytes()
-            peak = max(peak, level)
-        made = sum(e.nbytes() for e in events if e.nbytes() > 0) - sum(-e.nbytes() for e in events if e.nbytes() < 0)
+            peak, made = allocation_peak(lambda: func(*real_args, **real_kwargs))
         return max(0, peak - max(made, 0))
     except Exception:  # noqa: BLE001 - no probe: keep the modelled scratch
         return None
@@ -280,6 +278,8 @@ class StepRecorder(TorchDispatchMode):
         self._seq_stacks: list[Stack] = []
         self._seq_events: list[int] = []
         self._flow = DataflowTracker()
+        self._applying = 0  # depth of backward nodes computing now
+        self._engine_sums: list[tuple[int, int]] = []  # (event, storage of the first gradient)
         self._number_args: set[int] = set()  # forward events with a number in a Tensor argument
         self.device_type = "cpu"  # the device the traced step's tensors are on
         self.fake_mode = None  # the trace's FakeTensorMode (writes into the model's real tensors go to fakes)  # forward ops' reads (autosac.dataflow: shared with the applier)
@@ -356,6 +356,7 @@ class StepRecorder(TorchDispatchMode):
                     self._track_saved_numbers(t.grad_fn, event)
                 seq = t.grad_fn._sequence_nr()
                 if not self._seq_keys or seq > self._seq_keys[-1]:
+                    self._watch_apply(t.grad_fn)
                     self._seq_keys.append(seq)
                     self._seq_stacks.append(stack)
                     self._seq_events.append(event)
@@ -372,6 +373,40 @@ class StepRecorder(TorchDispatchMode):
                 v = getattr(node, name)
                 if self._is_loose_scalar(v):
                     self.track(v, "act", created=event)
+
+    def _watch_apply(self, node) -> None:
+        """Count when the backward runs inside a node's own computation, so that
+        the engine's work between nodes (summing gradients) can be told apart."""
+
+        def enter(grad_outputs):
+            self._applying += 1
+
+        def leave(grad_inputs, grad_outputs):
+            self._applying -= 1
+
+        node.register_prehook(enter)
+        node.register_hook(leave)
+
+    def _note_engine_sum(self, func, args, kwargs, idx: int) -> None:
+        """The engine sums two gradients for one input out of place on fake
+        tensors, but in place into the first when it holds the last reference
+        to a dense tensor (and grad mode is off): remember such sums, settled
+        in :meth:`finish` once it is known whether that reference was the last."""
+        if (
+            self._applying or func is not torch.ops.aten.add.Tensor or torch.is_grad_enabled()
+            or kwargs.get("alpha", 1) != 1 or len(args) != 2
+        ):
+            return
+        old, new = args
+        if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)):
+            return
+        if old.dtype != torch.result_type(old, new) or torch.broadcast_shapes(old.shape, new.shape) != old.shape:
+            return
+        if not old.is_contiguous() or old.untyped_storage().nbytes() != old.numel() * old.element_size():
+            return
+        i = self.index_of(old)
+        if i is not None and self.rec.storages[i].kind == "temp":
+            self._engine_sums.append((idx, i))
 
     def _backward_stack(self) -> tuple[Stack, int]:
         """The module stack the running backward node was created in, and the
@@ -437,12 +472,14 @@ class StepRecorder(TorchDispatchMode):
         rec.random.append(is_random_op(func))
         rec.writes.append(writes and not view)
         scratch = transient_bytes(func, args)
-        if needs_probe(func, args):
+        if needs_probe(func, args) and flops <= _PROBE_CAP_FLOPS:
             scratch = probed_scratch_bytes(func, args, kwargs, scratch)
         scratch += scalar_scratch_bytes(func, args, kwargs) + self._loose_scalar_bytes(args)
         if scratch:
             rec.transient[idx] = scratch
 
+        if phase == "backward":
+            self._note_engine_sum(func, args, kwargs, idx)
         if phase == "forward":
             deps = self._flow.reads(args, kwargs)
             if deps:
@@ -504,6 +541,10 @@ class StepRecorder(TorchDispatchMode):
         for r in self.rec.storages:
             if r.freed is None:
                 r.freed = end
+        for event, i in self._engine_sums:
+            r = self.rec.storages[i]
+            if r.freed == event + 1:  # the sum held its last reference: the real engine adds in place
+                r.freed = event
         self._refs.clear()
         self.rec.unknown_ops = set(self.cost.unknown_ops)
         return self.rec

@@ -1,0 +1,68 @@
+"""What the CPU allocator did while a function ran, read off the PyTorch
+profiler's allocator events: the peak of bytes allocated above the level at
+the start, and the net bytes left allocated at the end.
+
+Used by :func:`autosac.measure` (a real step's peak on the cpu) and by the
+trace (working memory a CPU kernel allocates and frees inside one call).
+
+Example::
+
+    >>> peak, net = allocation_peak(lambda: torch.randn(1024) * 2.0)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+
+
+@contextlib.contextmanager
+def _native_stderr_quiet():
+    """Silence what the profiler's native code prints on stderr (a line at each
+    start and stop, which no setting turns off) while it starts and stops.
+
+    The file descriptor is pointed at ``/dev/null`` for that time only and
+    restored after; Python's own ``sys.stderr`` is flushed first, so nothing
+    written before is lost."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # no real stderr (notebooks, captured streams)
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(fd)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), fd)
+        yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
+
+
+def allocation_peak(fn: Callable[[], object]) -> tuple[int, int]:
+    """Run ``fn`` once under the profiler; return ``(peak, net)``: the most
+    bytes the CPU allocator had allocated above its level at the start, and
+    the bytes still allocated at the end (what ``fn`` returned, say; the
+    result is dropped only after the count).
+
+    Raises whatever ``fn`` raises."""
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+    with _native_stderr_quiet():
+        profiler.start()
+    try:
+        out = fn()
+    finally:
+        with _native_stderr_quiet():
+            profiler.stop()
+    del out
+    events = [e for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"]
+    level = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        level += e.nbytes()
+        peak = max(peak, level)
+    return peak, level
