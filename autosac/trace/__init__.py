@@ -16,7 +16,6 @@ from autosac.optim import OptimizerSpec, optimizer_name
 from autosac.stats import ModelStats
 from autosac.trace.aggregate import aggregate
 from autosac.trace.costs import CostModel
-from autosac.trace.recorder import UNSEEN_SCRATCH_OPS
 from autosac.trace.step import trace_step
 from autosac.version import __version__
 
@@ -81,14 +80,6 @@ def profile(
         step = trace_step(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, cost_model=cost)
     finally:
         cost.finish()
-    unseen = sorted(set(step.recording.ops) & UNSEEN_SCRATCH_OPS)
-    if unseen:
-        warnings.warn(
-            f"autosac: {', '.join(unseen)} (oneDNN RNN kernels: nn.LSTM/nn.GRU/nn.RNN on the cpu) allocate working "
-            "memory the trace cannot see, about the size of their workspace in the backward: planned peaks "
-            "may be exceeded by that much -- keep headroom with reserve=",
-            stacklevel=2,
-        )
     if step.recording.unknown_ops:
         warnings.warn(
             "autosac: no FLOP formula for "

@@ -132,13 +132,11 @@ _HALF_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
 def needs_probe(func, args) -> bool:
     """Whether the kernel's internal working memory is measured by a probe."""
     name = func.overloadpacket.__name__
-    if name in PROBE_SCRATCH_OPS:
+    if name in PROBE_SCRATCH_OPS or name == "mkldnn_rnn_layer_backward":
         return True
     return name in _HALF_MATMULS and any(
         isinstance(a, torch.Tensor) and a.dtype in (torch.bfloat16, torch.float16) for a in args
     )
-# Kernels whose internal working memory is large and not modelled (yet).
-UNSEEN_SCRATCH_OPS = frozenset({"mkldnn_rnn_layer_backward"})
 _PROBE_CAP_BYTES = 256 << 20
 _PROBE_CAP_FLOPS = 3e10  # a probe runs the kernel for real: about a second here at most
 
@@ -188,14 +186,47 @@ def _probe_scratch(func, args: tuple, kwargs: tuple) -> int | None:
         return None
 
 
-def probed_scratch_bytes(func, args, kwargs, default: int) -> int:
+@lru_cache(maxsize=64)
+def _probe_rnn_backward(args: tuple) -> tuple[int, int] | None:
+    """oneDNN's RNN backward reads the workspace its forward wrote: a probe on
+    zeros alone could crash, so the layer's forward runs first (on zeros of the
+    same shapes, with the same settings) and its backward is measured on what
+    that forward returned: ``(peak, net)`` as :func:`allocation_peak`."""
+    (inp, w1, w2, w3, w4, hx, cx, _out, _hy, _cy, g_out, g_hy, g_cy,
+     reverse, mode, hidden, layers, biases, train, bidirectional, batch_sizes, batch_first, _ws) = args
+    try:
+        with unset_fake_temporarily(), torch.enable_grad():  # the forward writes a workspace only with grad on
+            x, a, b, c, d, h0, c0 = (_real(t) for t in (inp, w1, w2, w3, w4, hx, cx))
+            out, hy, cy, ws = torch.ops.aten.mkldnn_rnn_layer(
+                x, a, b, c, d, h0, c0, reverse, list(batch_sizes), mode, hidden, layers, biases, bidirectional,
+                batch_first, train)
+            grads = [None if g is None else _real(g) for g in (g_out, g_hy, g_cy)]
+            return allocation_peak(lambda: torch.ops.aten.mkldnn_rnn_layer_backward(
+                x, a, b, c, d, h0, c0, out, hy, cy, *grads, reverse, mode, hidden, layers, biases, train,
+                bidirectional, list(batch_sizes), batch_first, ws))
+    except Exception:  # noqa: BLE001 - no probe: keep the modelled scratch
+        return None
+
+
+def probed_scratch_bytes(func, args, kwargs, default: int, outs=()) -> int:
     """Working memory the real kernel allocates and frees inside one call (its
     peak above what it returns), measured once per shape on zeros (inputs up to
-    256 MiB); ``default`` when it cannot be measured."""
+    256 MiB); ``default`` when it cannot be measured.
+
+    oneDNN's RNN backward returns the two bias gradients as two tensors where
+    the meta kernel returns one: the difference to the fake ``outs`` is counted
+    here too."""
     tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
     if sum(t.numel() * t.element_size() for t in tensors) > _PROBE_CAP_BYTES:
         return default
     try:
+        if func.overloadpacket.__name__ == "mkldnn_rnn_layer_backward" and not kwargs:
+            probed = _probe_rnn_backward(_spec(tuple(args)))
+            if probed is None:
+                return default
+            peak, made = probed
+            fake_made = sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in outs}.values())
+            return max(0, peak - made) + max(0, made - fake_made)
         found = _probe_scratch(func, _spec(tuple(args)), tuple(sorted((k, _spec(v)) for k, v in kwargs.items())))
     except TypeError:
         return default
@@ -473,7 +504,7 @@ class StepRecorder(TorchDispatchMode):
         rec.writes.append(writes and not view)
         scratch = transient_bytes(func, args)
         if needs_probe(func, args) and flops <= _PROBE_CAP_FLOPS:
-            scratch = probed_scratch_bytes(func, args, kwargs, scratch)
+            scratch = probed_scratch_bytes(func, args, kwargs, scratch, outs)
         scratch += scalar_scratch_bytes(func, args, kwargs) + self._loose_scalar_bytes(args)
         if scratch:
             rec.transient[idx] = scratch
