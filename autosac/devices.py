@@ -24,6 +24,10 @@ class DeviceSpec:
     FLOP/s; ``bandwidth`` is bytes/s; ``compute_efficiency`` and
     ``memory_efficiency`` scale the peaks to what kernels reach in practice.
     ``measured=True`` means ops are timed on the local machine instead.
+    ``device_type`` is the device class whose kernels the trace records
+    (``"cuda"``: dropout and attention as CUDA runs them, see
+    :mod:`autosac.trace.dispatch`; ``"cpu"``: as the CPU does) and
+    ``capability`` the CUDA compute capability that picks attention kernels.
 
     Example::
 
@@ -39,6 +43,8 @@ class DeviceSpec:
     compute_efficiency: float = 0.7
     memory_efficiency: float = 0.8
     measured: bool = False
+    device_type: str = "cuda"
+    capability: tuple[int, int] = (9, 0)
 
     def peak_flops(self, dtype: torch.dtype) -> float:
         """Dense FLOP/s for ``dtype``; float32 figures stand in for unknown dtypes."""
@@ -46,14 +52,21 @@ class DeviceSpec:
         return self.flops.get(name) or self.flops.get("float32", 1e12)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        data["capability"] = list(self.capability)  # as JSON has it
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> DeviceSpec:
+        data = dict(data)
+        if "capability" in data:
+            data["capability"] = tuple(data["capability"])
         return cls(**data)
 
 
-def _gpu(name: str, bf16: float, fp32: float, tf32: float, fp8: float, bw: float, mem_gib: int) -> DeviceSpec:
+def _gpu(
+    name: str, bf16: float, fp32: float, tf32: float, fp8: float, bw: float, mem_gib: int, capability: tuple[int, int]
+) -> DeviceSpec:
     flops = {
         "bfloat16": bf16 * TFLOPS,
         "float16": bf16 * TFLOPS,
@@ -63,15 +76,15 @@ def _gpu(name: str, bf16: float, fp32: float, tf32: float, fp8: float, bw: float
         "float8_e4m3fn": fp8 * TFLOPS,
         "float8_e5m2": fp8 * TFLOPS,
     }
-    return DeviceSpec(name, flops, bw * TBPS, mem_gib * GIB)
+    return DeviceSpec(name, flops, bw * TBPS, mem_gib * GIB, capability=capability)
 
 
 DEVICES: dict[str, DeviceSpec] = {
-    "h100": _gpu("h100", bf16=989, fp32=67, tf32=495, fp8=1979, bw=3.35, mem_gib=80),
-    "h200": _gpu("h200", bf16=989, fp32=67, tf32=495, fp8=1979, bw=4.8, mem_gib=141),
-    "a100": _gpu("a100", bf16=312, fp32=19.5, tf32=156, fp8=312, bw=2.039, mem_gib=80),
-    "l4": _gpu("l4", bf16=121, fp32=30.3, tf32=60, fp8=242.5, bw=0.3, mem_gib=24),
-    "cpu": DeviceSpec("cpu", measured=True),
+    "h100": _gpu("h100", bf16=989, fp32=67, tf32=495, fp8=1979, bw=3.35, mem_gib=80, capability=(9, 0)),
+    "h200": _gpu("h200", bf16=989, fp32=67, tf32=495, fp8=1979, bw=4.8, mem_gib=141, capability=(9, 0)),
+    "a100": _gpu("a100", bf16=312, fp32=19.5, tf32=156, fp8=312, bw=2.039, mem_gib=80, capability=(8, 0)),
+    "l4": _gpu("l4", bf16=121, fp32=30.3, tf32=60, fp8=242.5, bw=0.3, mem_gib=24, capability=(8, 9)),
+    "cpu": DeviceSpec("cpu", measured=True, device_type="cpu"),
 }
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from autosac.errors import StatsFormatError
 
-PLAN_FORMAT = 3
+PLAN_FORMAT = 4
 
 
 @dataclass
@@ -85,6 +85,7 @@ class Plan:
     solver: dict
     versions: dict[str, str]
     input_shapes: list[list] = field(default_factory=list)  # [[where, shape, dtype]] it was made for
+    device: str = ""  # the device class whose kernels it names: "cuda" or "cpu"
     format: int = PLAN_FORMAT
 
     @property

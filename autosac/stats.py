@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from autosac.errors import StatsFormatError
 
-STATS_FORMAT = 3
+STATS_FORMAT = 4
 
 @dataclass
 class SavedOp:

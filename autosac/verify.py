@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import copy
 
+import torch
+
 from autosac.budget import format_bytes
+from autosac.errors import PlanMismatchError
 
 
 def verify_plan_file(args) -> int:
@@ -13,7 +16,6 @@ def verify_plan_file(args) -> int:
     with the plan applied, and print predicted vs measured.  Exit status 1 when
     the measured peak exceeds the plan's budget."""
     import autosac
-    from autosac.errors import PlanMismatchError
     from autosac.fingerprint import model_fingerprint
     from autosac.inputs import format_signature, input_signature, split_inputs
     from autosac.modelspec import build_from_spec
@@ -31,7 +33,8 @@ def verify_plan_file(args) -> int:
             f"{args.plan} was made for inputs {format_signature(plan.input_shapes)}, not {format_signature(found)}: "
             "pass the --batch and --seq it was planned with (its budget holds only for those)"
         )
-    model, inputs = build_from_spec(args.model, args.model_arg, args.batch, args.seq, device="cpu")
+    device = _device_for(plan, args.plan)
+    model, inputs = build_from_spec(args.model, args.model_arg, args.batch, args.seq, device=device)
     baseline = autosac.measure(copy.deepcopy(model), inputs, steps=args.steps, optimizer=plan.optimizer)
     autosac.apply(model, plan)
     planned = autosac.measure(model, inputs, steps=args.steps, optimizer=plan.optimizer)
@@ -42,12 +45,26 @@ def verify_plan_file(args) -> int:
     print(f"{'':<24}{'predicted':>14}{'measured':>14}{'error':>9}")
     for label, pred, meas in rows:
         print(f"{label:<24}{format_bytes(pred):>14}{format_bytes(meas):>14}{(pred - meas) / meas:>+9.1%}")
-    comparable = plan.target == "cpu"
+    comparable = plan.target == "cpu" or device == "cuda"
     print(f"{'step, no checkpointing':<24}{plan.baseline_step_ms:>11.1f} ms{baseline.step_ms:>11.1f} ms")
     print(f"{'step, with the plan':<24}{plan.step_ms:>11.1f} ms{planned.step_ms:>11.1f} ms")
     print(f"measured overhead {planned.step_ms / baseline.step_ms - 1:+.1%} (predicted {plan.overhead:+.1%})")
     if not comparable:
         print(f"(times predicted for {plan.target}, measured on this CPU: compare the overheads, not the ms)")
+    elif device == "cuda":
+        print(f"(measured on {torch.cuda.get_device_name()}; predicted for {plan.target})")
     ok = planned.peak_bytes <= plan.budget_bytes
     print(f"budget {format_bytes(plan.budget_bytes)}: {'kept' if ok else 'EXCEEDED'}")
     return 0 if ok else 1
+
+
+def _device_for(plan, path: str) -> str:
+    """Where a plan can be measured: a CUDA plan on this machine's GPU, a CPU plan on the CPU."""
+    if plan.device != "cuda":
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise PlanMismatchError(
+            f"{path} names the ops a CUDA device runs ({plan.target}) and this machine has no GPU: "
+            "verify it on one, or plan with --target cpu to verify here"
+        )
+    return "cuda"

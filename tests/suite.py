@@ -6,18 +6,22 @@ predict the peak within 3 % of an independent measurement."""
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 import autosac
 from autosac.budget import parse_budget
+from autosac.devices import DEVICES
 from autosac.inputs import split_inputs
 from autosac.optim import default_loss
 from autosac.solver import least_peak, solve_stats
 from autosac.solver.problem import build_problem
 
 TOLERANCE = 0.03
+# An A100's roofline with the CPU's kernels: deterministic times, and a plan
+# that names the ops these CPU tests run (a plan for "a100" names CUDA's).
+A100_CPU_KERNELS = replace(DEVICES["a100"], name="a100-cpu-kernels", device_type="cpu")
 
 
 @dataclass
@@ -63,7 +67,7 @@ def budgets(problem) -> list[tuple[str, int]]:
 
 
 def check_model(
-    name, build, loss_fn=None, target="a100", labels=("70%", "50%", "least"), expect_warning: str | None = None,
+    name, build, loss_fn=None, target=A100_CPU_KERNELS, labels=("70%", "50%", "least"), expect_warning: str | None = None,
     optimizer="sgd", tolerance: float = TOLERANCE,
 ) -> list[Row]:
     """Plan ``build()``'s model at each budget; check every promise; return the table rows.
@@ -116,4 +120,4 @@ def seeded(factory, seed: int = 0):
     return build
 
 
-__all__ = ["Row", "assert_same_step", "check_model", "seeded", "training_step"]
+__all__ = ["A100_CPU_KERNELS", "Row", "assert_same_step", "check_model", "seeded", "training_step"]

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from suite import assert_same_step
+from suite import A100_CPU_KERNELS, assert_same_step
 from torch import nn
 
 import autosac
@@ -42,7 +42,7 @@ def _budget_between(stats, frac):
     return int(low + frac * (int(problem.live.max()) - low))
 
 
-def _check_plan(model, inputs, frac, target="a100"):
+def _check_plan(model, inputs, frac, target=A100_CPU_KERNELS):
     stats = autosac.profile(model, inputs, target=target)
     budget = _budget_between(stats, frac)
     plan = autosac.solve(stats, budget)
@@ -81,7 +81,7 @@ def test_peak_exact_for_each_checkpoint_alone_and_a_pair():
     torch.manual_seed(0)
     model, idx = build_model("gpt2", device="cpu", batch=2, n_layer=2, dim=64, n_head=4, seq=256,
                              vocab=512, dropout=0.1)
-    stats = autosac.profile(model, idx, target="a100")
+    stats = autosac.profile(model, idx, target=A100_CPU_KERNELS)
     groups = [(c.fqn,) for c in build_problem(stats).candidates]
     groups.append(("blocks.1.attn.attn_dropout", "blocks.1.mlp"))
     for group in groups:
@@ -151,7 +151,7 @@ def test_random_models_keep_gradients_and_budget(depth, width, dropout, tied, re
     model = Net(depth, width, dropout, tied, reuse, norm)
     idx = torch.randint(0, 32, (16, 64))
     inputs = {"idx": idx, "gate": torch.rand(16, 64, 2 * width)} if gate else idx
-    stats = autosac.profile(model, inputs, target="a100")
+    stats = autosac.profile(model, inputs, target=A100_CPU_KERNELS)
     plan = autosac.solve(stats, _budget_between(stats, frac))
     ref = copy.deepcopy(model)
     autosac.apply(model, plan)
@@ -164,7 +164,7 @@ def test_random_models_keep_gradients_and_budget(depth, width, dropout, tied, re
 def test_apply_keeps_identity_and_is_reversible():
     torch.manual_seed(0)
     model, idx = build_model("gpt2", n_layer=2, dim=64, n_head=4, seq=64, vocab=128, device="cpu", batch=4)
-    plan = autosac.solve(model, "80%", example_inputs=idx, target="a100")
+    plan = autosac.solve(model, "80%", example_inputs=idx, target=A100_CPU_KERNELS)
     params = list(model.parameters())
     keys = list(model.state_dict())
     opt = torch.optim.AdamW(model.parameters())
@@ -253,7 +253,7 @@ def test_a_call_that_departs_from_the_plan_runs_correctly_and_only_that_call_fal
     torch.manual_seed(0)
     model = Branchy()
     x = torch.rand(256, 32)
-    stats = autosac.profile(model, x)
+    stats = autosac.profile(model, x, target=A100_CPU_KERNELS)
     plan = autosac.solve(stats, _budget_between(stats, 0.0))
     assert "gates.1" in plan.decisions
     ref = copy.deepcopy(model)
@@ -295,7 +295,7 @@ def test_same_ops_other_dataflow_never_skips_a_needed_call():
     torch.manual_seed(0)
     model = nn.Sequential(*(Swap() for _ in range(3)))
     big, small = torch.randn(2048, 64), torch.randn(512, 64)
-    stats = autosac.profile(model, big, target="a100")
+    stats = autosac.profile(model, big, target=A100_CPU_KERNELS)
     plan = autosac.solve(stats, _budget_between(stats, 0.6))
     assert any(d.skip for d in plan.details.values())
     ref = copy.deepcopy(model)
@@ -388,7 +388,7 @@ def test_replay_computes_only_what_the_discarded_activations_need():
     torch.manual_seed(0)
     model, idx = build_model("gpt2", device="cpu", batch=2, n_layer=2, dim=64, n_head=4, seq=64,
                              vocab=256, dropout=0.1)
-    stats = autosac.profile(model, idx, target="a100")
+    stats = autosac.profile(model, idx, target=A100_CPU_KERNELS)
     plan = autosac.solve(stats, _budget_between(stats, 0.3))
     assert plan.decisions and any(d.skip for d in plan.details.values())
     expected = Counter()

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from suite import assert_same_step, check_model, seeded
+from suite import A100_CPU_KERNELS, assert_same_step, check_model, seeded
 from torch import nn
 
 import autosac
@@ -159,7 +159,7 @@ def test_counters_and_batch_norm_stats_advance_once_per_step():
     torch.manual_seed(0)
     model = nn.Sequential(_stack(3, Counting), nn.Linear(64, 64), nn.BatchNorm1d(64))
     x = torch.randn(2048, 64)
-    plan = autosac.solve(model, "80%", example_inputs=x, target="a100")
+    plan = autosac.solve(model, "80%", example_inputs=x, target=A100_CPU_KERNELS)
     assert plan.decisions
     autosac.apply(model, plan)
     for _ in range(2):
@@ -210,7 +210,7 @@ def _gpt(dropout=0.0):
 
 def test_retain_graph_twice_and_gradient_penalty_work_like_plain_autograd():
     model, idx = _gpt()
-    plan = autosac.solve(model, "92%", example_inputs=idx, target="a100")
+    plan = autosac.solve(model, "92%", example_inputs=idx, target=A100_CPU_KERNELS)
     assert plan.decisions
     ref = copy.deepcopy(model)
     autosac.apply(model, plan)
@@ -236,7 +236,7 @@ def test_retain_graph_twice_and_gradient_penalty_work_like_plain_autograd():
 
 def test_torch_compile_of_an_applied_model_runs_the_plan_eagerly():
     model, idx = _gpt()
-    plan = autosac.solve(model, "92%", example_inputs=idx, target="a100")
+    plan = autosac.solve(model, "92%", example_inputs=idx, target=A100_CPU_KERNELS)
     ref = copy.deepcopy(model)
     autosac.apply(model, plan)
     compiled = torch.compile(model, backend="aot_eager")
@@ -274,7 +274,7 @@ def test_a_module_called_four_times_is_checkpointed_at_every_call():
 
     torch.manual_seed(0)
     model, x = SharedBlock(), torch.randn(1024, 16)
-    stats = autosac.profile(model, x, target="a100", optimizer="sgd")
+    stats = autosac.profile(model, x, target=A100_CPU_KERNELS, optimizer="sgd")
     problem = build_problem(stats)
     assert [c.call for c in problem.candidates if c.fqn == "block"] == [0, 1, 2, 3]
     least, _ = least_peak(problem)
@@ -322,7 +322,7 @@ def test_python_state_of_hundreds_of_modules_is_restored():
 
     torch.manual_seed(0)
     model, x = nn.Sequential(ManyTicks(1200), ManyTicks(1200)), torch.randn(1024, 64)
-    stats = autosac.profile(model, x, target="a100")
+    stats = autosac.profile(model, x, target=A100_CPU_KERNELS)
     assert {t.calls for t in model.modules() if isinstance(t, Tick)} == {0}
     plan = autosac.solve(stats, least_peak(build_problem(stats))[0])
     assert plan.decisions
@@ -400,7 +400,7 @@ def test_bf16_autocast_peaks_count_half_precision_matmul_scratch_and_remade_cast
 
     torch.manual_seed(0)
     model, x = AutocastBlock(), torch.randn(4096, 64)
-    stats = autosac.profile(model, x, target="a100")
+    stats = autosac.profile(model, x, target=A100_CPU_KERNELS)
     assert abs(stats.peak_bytes - autosac.measure(copy.deepcopy(model), x, steps=1).peak_bytes) <= 64
     plan = plan_from_decisions(stats, {"fc1": 1.0})
     measured = autosac.measure(autosac.apply(copy.deepcopy(model), plan), x, steps=1).peak_bytes

@@ -89,9 +89,10 @@ class Attention(nn.Module):
         return p @ v
 
 
-def test_attention_block_saved_bytes():
+@pytest.mark.parametrize("target", ["h100", "cpu"])
+def test_attention_block_saved_bytes(target):
     b, t, d = 2, 8, 16
-    s = _profile(Attention(d), torch.randn(b, t, d))
+    s = _profile(Attention(d), torch.randn(b, t, d), target=target)
     qkv = 3 * b * t * d * F32
     probs = b * t * t * F32
     root = s.modules[""]
@@ -102,8 +103,10 @@ def test_attention_block_saved_bytes():
     assert root.discardable_bytes == qkv + probs
     # the unscaled and scaled scores are transient: each lives only until its consumer ran
     params = 3 * d * d * F32
-    # ... and the division keeps its divisor, a Python number, as an 8-byte double tensor
-    assert _forward_end_live(s) == params + b * t * d * F32 + qkv + probs + b * t * d * F32 + 8
+    # ... and on the cpu the division keeps its divisor, a Python number, as an
+    # 8-byte double tensor (on a GPU that tensor is on the host)
+    number = 8 if target == "cpu" else 0
+    assert _forward_end_live(s) == params + b * t * d * F32 + qkv + probs + b * t * d * F32 + number
 
 
 def test_module_tree_and_orders():
@@ -190,11 +193,16 @@ def test_autocast_records_param_casts_and_dtypes():
 
 def test_dropout_flagged_random():
     model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8))
-    s = _profile(model, torch.randn(4, 8))
+    s = _profile(model, torch.randn(4, 8), target="cpu")
     # on CPU dropout is empty_like -> bernoulli_ -> div_ -> mul: the mask's chain is random
     (mask,) = [o for o in s.saved_ops if o.random]
     assert mask.inplace and mask.module == "1" and mask.bytes == 4 * 8 * F32
     assert s.modules["1"].discardable_bytes == 4 * 8 * F32
+    # on a CUDA target it is the fused native_dropout: its output and a bool mask
+    s = _profile(model, torch.randn(4, 8), target="h100")
+    assert "bernoulli_" not in s.timeline.ops
+    (fused,) = [o for o in s.saved_ops if o.random]
+    assert fused.op == "native_dropout" and not fused.inplace and fused.bytes == 4 * 8 * (F32 + 1)
 
 
 def test_stats_json_round_trip_and_version_check():

@@ -161,6 +161,8 @@ def _enter_model(module, args, kwargs):
     state = module.__dict__.get(APPLIED)
     if state is not None and state["plan"].input_shapes:
         _check_shapes(state, input_signature(args, kwargs))
+    if state is not None and torch.is_grad_enabled():
+        _check_device(state, module)
     changed = training_kwargs(module, kwargs) if torch.is_grad_enabled() else None
     if changed is not None and state is not None and not state.get("warned_cache"):
         state["warned_cache"] = True
@@ -180,6 +182,24 @@ def _exit_model(module, args, output):
     stack = module.__dict__.get("_autosac_cast_ctx")
     if stack:
         stack.pop().__exit__(None, None, None)
+
+
+def _check_device(state: dict, module) -> None:
+    """One warning when the model runs on another device class than the plan
+    was made for: the ops there differ (dropout, attention), so checkpointed
+    calls fall back to recomputing everything."""
+    plan = state["plan"]
+    if not plan.device or state.get("warned_device"):
+        return
+    where = next((t.device.type for t in module.parameters()), None)
+    if where is None or where == plan.device:
+        return
+    state["warned_device"] = True
+    warn_user(
+        f"autosac: this plan was made for {plan.device} ({plan.target}) but the model runs on {where}: "
+        f"the ops differ there and checkpointed modules fall back to recomputing everything -- plan with "
+        f"target='{'cpu' if where == 'cpu' else 'h100'}' (or a DeviceSpec with device_type='{where}') to run here"
+    )
 
 
 def _check_shapes(state: dict, found: list) -> None:

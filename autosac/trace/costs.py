@@ -260,7 +260,8 @@ def local_cpu_spec() -> DeviceSpec:
     timings = TimingCache()
     flops, bandwidth = timings.get("roofline-flops"), timings.get("roofline-bandwidth")
     if flops is not None and bandwidth is not None:
-        return DeviceSpec("cpu-roofline", {"float32": flops}, bandwidth, compute_efficiency=1.0, memory_efficiency=1.0)
+        return DeviceSpec("cpu-roofline", {"float32": flops}, bandwidth, compute_efficiency=1.0, memory_efficiency=1.0,
+                          device_type="cpu")
     with unset_fake_temporarily():
         a = torch.randn(512, 512)
         torch.mm(a, a)
@@ -277,4 +278,5 @@ def local_cpu_spec() -> DeviceSpec:
     timings.put("roofline-flops", flops)
     timings.put("roofline-bandwidth", bandwidth)
     timings.save()
-    return DeviceSpec("cpu-roofline", {"float32": flops}, bandwidth, compute_efficiency=1.0, memory_efficiency=1.0)
+    return DeviceSpec("cpu-roofline", {"float32": flops}, bandwidth, compute_efficiency=1.0, memory_efficiency=1.0,
+                          device_type="cpu")

@@ -236,7 +236,7 @@ def probed_scratch_bytes(func, args, kwargs, default: int, outs=()) -> int:
 _WRAPPED = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
 
 
-def scalar_scratch_bytes(func, args, kwargs) -> int:
+def scalar_scratch_bytes(func, args, kwargs, device_type: str = "cpu") -> int:
     """What a CPU pointwise kernel allocates for a Python number passed as its
     ``other`` operand (``x * 2.0``, ``ids.ne(-100)``): the number wrapped in a
     0-dim tensor (8 bytes for a float or int, 1 for a bool), plus its cast to
@@ -244,7 +244,7 @@ def scalar_scratch_bytes(func, args, kwargs) -> int:
     slots (``alpha``, ``min``, a fill value) are kernel parameters and cost
     nothing.  Measured with the profiler's allocator events; on a GPU the
     number is a kernel argument and costs no device memory."""
-    if torch.Tag.pointwise not in func.tags:
+    if device_type != "cpu" or torch.Tag.pointwise not in func.tags:
         return 0
     total = 0
     for i, arg in enumerate(func._schema.arguments):
@@ -505,7 +505,7 @@ class StepRecorder(TorchDispatchMode):
         scratch = transient_bytes(func, args)
         if needs_probe(func, args) and flops <= _PROBE_CAP_FLOPS:
             scratch = probed_scratch_bytes(func, args, kwargs, scratch, outs)
-        scratch += scalar_scratch_bytes(func, args, kwargs) + self._loose_scalar_bytes(args)
+        scratch += scalar_scratch_bytes(func, args, kwargs, self.device_type) + self._loose_scalar_bytes(args)
         if scratch:
             rec.transient[idx] = scratch
 

@@ -9,7 +9,7 @@ forward, loss, backward and the optimizer step run under a :class:`StepRecorder`
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +24,7 @@ from autosac.optim import OptimizerSpec, default_loss, make_optimizer
 from autosac.pystate import capture
 from autosac.stats import ParamStats
 from autosac.trace.costs import CostModel
+from autosac.trace.dispatch import TargetDispatch
 from autosac.trace.recorder import SMALL_NUMEL, Recording, StepRecorder
 
 
@@ -121,6 +122,11 @@ def _fake_tensor_log_quiet():
         logger.disabled = before
 
 
+def _target_dispatch(spec):
+    """Dropout and attention as the target runs them (:mod:`autosac.trace.dispatch`)."""
+    return TargetDispatch(spec.capability) if spec.device_type == "cuda" else nullcontext()
+
+
 def _trace_input(x):
     """A fake twin of an example input -- except small integer and boolean
     tensors on the cpu (token ids, masks, positions), which stay real so that
@@ -137,6 +143,7 @@ def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode) -> Tr
     names = {id(m): fqn for fqn, m in model.named_modules()}
     recorder = StepRecorder(cost_model)
     recorder.fake_mode = mode
+    recorder.device_type = cost_model.spec.device_type
     opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
     _init_optimizer_state(model, opt)
     params = _track_params(model, opt, recorder)
@@ -148,7 +155,8 @@ def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode) -> Tr
         hooks.append(mod.register_forward_pre_hook(_pre_hook(recorder, fqn), with_kwargs=True))
         hooks.append(mod.register_forward_hook(_post_hook(recorder, fqn)))
     try:
-        loss = _forward_and_loss(model, args, kwargs, loss_fn, recorder)
+        with _target_dispatch(cost_model.spec):
+            loss = _forward_and_loss(model, args, kwargs, loss_fn, recorder)
         _backward_and_update(model, loss, opt, recorder)
     finally:
         for h in hooks:
