@@ -35,10 +35,13 @@ class Measurement:
 
 
 def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages of ``tensors`` on this process (a
+    sharded DTensor counts its local shard)."""
     seen = {}
     for t in tensors:
         if isinstance(t, torch.Tensor):
-            st = t.untyped_storage()
+            local = t.to_local() if hasattr(t, "to_local") else t
+            st = local.untyped_storage()
             seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
 

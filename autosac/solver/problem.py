@@ -3,9 +3,8 @@ realizable discard choices, and the step's memory timeline as the plan sees it.
 
 Memory model (bytes alive at each event of the step):
 
-* the traced timeline, less parameter casts (``apply`` never saves them), with
-  params, grads and optimizer state sharded over ``world_size`` and the
-  parameters of the FSDP unit in use gathered;
+* the traced timeline, less parameter casts (``apply`` never saves them), as
+  one rank of ``world_size`` holds it under FSDP2 (:mod:`autosac.solver.sharding`);
 * checkpointing module ``i`` with discard choice ``k`` frees ``bytes[i][k]``
   from the end of its forward until its backward starts, when it recomputes
   them; while it recomputes, its forward's transient working memory is live.
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from autosac.solver.replay import ModuleReplay, order_items
+from autosac.solver.sharding import regathered_bytes, sharded_live
 from autosac.stats import ModelStats
 
 
@@ -34,6 +34,8 @@ class Candidate:
       step holds ``bytes[k]`` less: the discarded activations, less the
       ``hold`` bytes the checkpoint keeps (inputs that would have died, RNG state);
     * from ``end`` to ``bw_end`` (its backward) it holds ``hold`` more;
+    * a whole FSDP unit's ``hold`` includes its parameters, gathered once more
+      while it is checkpointed (:func:`autosac.solver.sharding.regathered_bytes`);
     * at ``end``, while it recomputes -- before the first backward op there
       allocates anything -- ``work[k]`` more on top of that.
     """
@@ -155,40 +157,7 @@ def _adjusted_live(stats: ModelStats, drop_casts: bool = True) -> np.ndarray:
         if op.param_cast and drop_casts:
             until = op.freed_event if op.remade_at < 0 else min(op.freed_event, op.remade_at)
             live[max(forward_end, op.event + 1) : until] -= op.bytes
-    w = stats.world_size
-    if w > 1:
-        frac = 1.0 - 1.0 / w
-        grads = np.asarray(tl.grad_bytes, dtype=np.int64)
-        live = live - (frac * (stats.param_bytes + stats.optimizer_bytes + grads)).astype(np.int64)
-        live += (frac * _gathered_unit_bytes(stats)).astype(np.int64)
-    return live
-
-
-def _gathered_unit_bytes(stats: ModelStats) -> np.ndarray:
-    """Full parameter bytes of the FSDP unit each event runs in: children of a
-    ModuleList/Sequential container are units (the usual per-block wrapping);
-    everything else belongs to the root unit."""
-    units = {}
-    for fqn in stats.subtree(stats.root):  # pre-order: outer units are found first
-        m = stats.modules[fqn]
-        parent = stats.modules.get(m.parent) if m.parent is not None else None
-        inside_unit = any(fqn.startswith(u + ".") for u in units)
-        if parent is not None and parent.type in ("ModuleList", "Sequential", "ModuleDict") and not inside_unit:
-            units[fqn] = m.param_bytes_total
-    root_bytes = max(0, stats.param_bytes - sum(units.values()))
-    out = np.empty(len(stats.timeline), dtype=np.float64)
-    cache: dict[str | None, float] = {}
-    for t, mod in enumerate(stats.timeline.modules):
-        if mod not in cache:
-            unit, probe = root_bytes, mod
-            while probe is not None:
-                if probe in units:
-                    unit = units[probe]
-                    break
-                probe = stats.modules[probe].parent if probe in stats.modules else None
-            cache[mod] = unit
-        out[t] = cache[mod]
-    return out
+    return sharded_live(stats, live)
 
 
 def bits(mask: int):
@@ -381,6 +350,7 @@ def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
     take the same choice: every call is a checkpoint region with the same policy.
     """
     live = _adjusted_live(stats)
+    regather = regathered_bytes(stats)
     candidates: list[Candidate] = []
     linked: list[list[Candidate]] = []
     for fqn in stats.subtree(stats.root):
@@ -407,7 +377,7 @@ def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
             retained = m.retained_input_calls[j] if j < len(m.retained_input_calls) else m.retained_input_bytes
             parts = [tuple(r) for r in m.retained_inputs[j]] if j < len(m.retained_inputs) else []
             outside = m.outside_write_calls[j] if j < len(m.outside_write_calls) else m.outside_write_bytes
-            hold = retained + stats.checkpoint_state_bytes + outside
+            hold = retained + stats.checkpoint_state_bytes + outside + regather.get(fqn, 0)
             # what the cache holds for kept ops is not saved either (conservatively
             # over the whole interval: it is held from its consumers' backward on)
             net = [int(cum_b[k - 1]) - hold - _cache_held(m, stats, mine, k, window)[0] for k in picks]

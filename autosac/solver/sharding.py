@@ -1,0 +1,136 @@
+"""The step's memory on one rank of FSDP2 (``fully_shard``, PyTorch's ZeRO-3).
+
+The trace records the unsharded step.  With ``world_size = w`` ranks, FSDP2
+changes what one rank holds at each event:
+
+* parameters and optimizer state live as local shards: ``1/w`` of them;
+* the optimizer steps those shards, so its temporaries are ``1/w`` too;
+* a unit's parameters are gathered whole -- a separate buffer beside the shard
+  -- for its forward and again for its backward; in the backward the next unit
+  to run is gathered ahead of time (FSDP2's prefetch; the root's backward
+  prefetches the first unit);
+* gathering copies a flat all-gather buffer out into the parameters: both are
+  alive for a moment at the unit's first forward and first backward op;
+* the root unit (parameters outside every unit: embeddings, final norm, head)
+  stays gathered from the forward's start to the backward's end (FSDP2 does
+  not reshard the root after its forward: the backward needs it at once);
+* a unit's gradients are whole until its backward ends; then a reduce-scatter
+  leaves each rank its ``1/w`` shard.  Its input, a flat copy of the whole
+  gradients, stays alive until the next unit's reduce-scatter replaces it, and
+  on a rank that runs ahead of the others (the collective still in flight)
+  until the one after; the model counts the longer of the two.
+
+Units are the children of ``ModuleList``/``Sequential`` containers (the usual
+``for block in model.layers: fully_shard(block)``), and the root.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from autosac.stats import ModelStats
+
+CONTAINERS = ("ModuleList", "Sequential", "ModuleDict")
+BOOKKEEPING_BYTES = 64
+
+
+@dataclass
+class Unit:
+    fqn: str
+    param_bytes: int
+    grad_bytes: int
+    forward: tuple[int, int]  # first and last forward event
+    backward: tuple[int, int] | None  # first and last backward event
+
+
+def fsdp_units(stats: ModelStats) -> list[Unit]:
+    """The per-block units, in forward order (the root is not among them)."""
+    units = []
+    for fqn in stats.subtree(stats.root):  # pre-order: outer units are found first
+        m = stats.modules[fqn]
+        parent = stats.modules.get(m.parent) if m.parent is not None else None
+        if parent is None or parent.type not in CONTAINERS or any(fqn.startswith(u.fqn + ".") for u in units):
+            continue
+        if not m.fw_windows or m.param_bytes_total == 0:
+            continue
+        forward = (m.fw_windows[0][0], m.fw_windows[-1][1] - 1)
+        backward = tuple(m.bw_window) if m.bw_window else None
+        units.append(Unit(fqn, m.param_bytes_total, m.grad_bytes_total, forward, backward))
+    return sorted(units, key=lambda u: u.forward[0])
+
+
+def sharded_live(stats: ModelStats, live: np.ndarray) -> np.ndarray:
+    """``live`` (the unsharded step's bytes per event) as one rank of
+    ``stats.world_size`` holds them under FSDP2 (see the module docstring)."""
+    w = stats.world_size
+    if w <= 1:
+        return live
+    tl = stats.timeline
+    n = len(live)
+    frac = 1.0 - 1.0 / w
+    phases = tl.phases
+    fw_end = next((i for i, ph in enumerate(phases) if ph != "forward"), n)
+    bw = [i for i, ph in enumerate(phases) if ph == "backward"]
+    bw_start, bw_end = (bw[0], bw[-1]) if bw else (n, n - 1)
+    units = fsdp_units(stats)
+
+    out = live.astype(np.float64) - frac * (stats.param_bytes + stats.optimizer_bytes)
+    # gradients: whole until their unit's backward ends, then a shard
+    unit_grads = sum(u.grad_bytes for u in units)
+    root_grads = max(0, stats.grad_bytes - unit_grads)
+    done = sorted((u for u in units if u.backward is not None), key=lambda u: u.backward[1])
+    for i, u in enumerate(done):
+        out[u.backward[1] + 1 :] -= frac * u.grad_bytes
+        # the reduce-scatter's flat input stays alive until the next unit's
+        # reduce-scatter -- or, on a rank that runs ahead while the collective is
+        # still in flight, until the one after that
+        until = done[i + 2].backward[1] if i + 2 < len(done) else bw_end
+        out[u.backward[1] : until + 1] += u.grad_bytes
+    if bw:
+        out[bw_end + 1 :] -= frac * root_grads
+    # gathered parameters: each unit in its forward and backward, the next one
+    # ahead in the backward, the root throughout
+    gathered = np.zeros(n)
+    root = max(0, stats.param_bytes - sum(u.param_bytes for u in units))
+    gathered[: max(fw_end, bw_end + 1)] += root  # FSDP2 keeps the root gathered from forward to backward
+    for u in units:
+        gathered[u.forward[0] : u.forward[1] + 1] += u.param_bytes
+    by_backward = sorted((u for u in units if u.backward is not None), key=lambda u: u.backward[0])
+    if by_backward:  # the root's backward prefetches the first unit's parameters
+        gathered[bw_start : by_backward[0].backward[0]] += by_backward[0].param_bytes
+    for i, u in enumerate(by_backward):
+        gathered[u.backward[0] : u.backward[1] + 1] += u.param_bytes
+        if i + 1 < len(by_backward):
+            gathered[u.backward[0] : u.backward[1] + 1] += by_backward[i + 1].param_bytes
+    # gathering copies a flat all-gather buffer out into the unit's parameters:
+    # for a moment both are alive, at the unit's first forward and backward op
+    for u in units:
+        gathered[u.forward[0]] += u.param_bytes
+        if u.backward is not None:
+            gathered[u.backward[0]] += u.param_bytes
+    out += gathered
+    # small host tensors FSDP2 keeps per unit (sizes, flags): at most 156 bytes
+    # were seen with five units, allowed as 64 bytes per unit
+    out += BOOKKEEPING_BYTES * (len(units) + 1)
+    # the optimizer steps the local shards: its temporaries are a shard's too
+    opt = [i for i, ph in enumerate(phases) if ph == "optimizer"]
+    if opt:
+        before = live[opt[0]] - (tl.made_bytes[opt[0]] if tl.made_bytes else 0)
+        extra = np.clip(live[opt[0] : opt[-1] + 1] - before, 0, None)
+        out[opt[0] : opt[-1] + 1] -= frac * extra
+    return out.astype(np.int64)
+
+
+def regathered_bytes(stats: ModelStats) -> dict[str, int]:
+    """Unit fqn -> bytes a checkpoint of that whole unit holds.
+
+    Measured with FSDP2 on gloo: when a unit is itself checkpointed (the
+    checkpoint wraps the module ``fully_shard`` hooks), the rank holds one more
+    copy of the unit's gathered parameters from the end of its forward until
+    the end of its backward; a checkpointed module inside a unit costs nothing
+    extra."""
+    if stats.world_size <= 1:
+        return {}
+    return {u.fqn: u.param_bytes for u in fsdp_units(stats)}
