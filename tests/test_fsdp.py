@@ -20,6 +20,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _run_ranks(target, world, *args) -> None:
+    """Run ``target(rank, world, port, *args)`` in ``world`` spawned processes, bounded in time."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            pytest.fail("FSDP worker timed out")
+        assert p.exitcode == 0
+
+
 def _worker(rank, world, port, plan_json, out_dir):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -55,18 +71,7 @@ def test_plan_composes_with_fully_shard(tmp_path):
     loss.backward()
     ref = {n: p.grad for n, p in model.named_parameters()}
 
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, plan.to_json(), str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            pytest.fail("FSDP worker timed out")
-        assert p.exitcode == 0
+    _run_ranks(_worker, 2, plan.to_json(), str(tmp_path))
     got = torch.load(tmp_path / "fsdp.pt")
     assert torch.equal(got["loss"], loss.detach())
     for name, g in ref.items():
@@ -100,19 +105,7 @@ def _peak_worker(rank, world, port, plan_json, out_dir):
 
 
 def _fsdp_peak(tmp_path, world, plan) -> int:
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    plan_json = plan.to_json() if plan is not None else None
-    procs = [ctx.Process(target=_peak_worker, args=(r, world, port, plan_json, tmp_path)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            pytest.fail("FSDP worker timed out")
-        assert p.exitcode == 0
+    _run_ranks(_peak_worker, world, plan.to_json() if plan is not None else None, tmp_path)
     return max(int((tmp_path / f"rank{r}").read_text()) for r in range(world))
 
 
