@@ -90,7 +90,7 @@ def capture(module: nn.Module, args: tuple, kwargs: dict) -> State:
     others = 0
     while todo and others < _MAX_OBJECTS:
         obj = todo.pop()
-        if id(obj) in seen or isinstance(obj, _ATOMS):
+        if id(obj) in seen or isinstance(obj, _ATOMS) or _torch_internal(obj):
             continue
         seen.add(id(obj))
         others += 1
@@ -106,6 +106,14 @@ def capture(module: nn.Module, args: tuple, kwargs: dict) -> State:
             items = []
         todo.extend(reversed(items))
     return State(saved)
+
+
+def _torch_internal(obj) -> bool:
+    """PyTorch's own bookkeeping objects (FSDP2's per-module state, hook
+    handles, DTensor specs): not user state, and copying their attributes would
+    keep alive what they release -- FSDP2's gathered parameters after a
+    forward, say.  Modules are captured on their own."""
+    return not isinstance(obj, nn.Module) and type(obj).__module__.split(".")[0] == "torch"
 
 
 def _contents(obj):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from autosac.solver.replay import ModuleReplay, order_items
-from autosac.solver.sharding import regathered_bytes, sharded_live
+from autosac.solver.sharding import sharded_live
 from autosac.stats import ModelStats
 
 
@@ -34,8 +34,6 @@ class Candidate:
       step holds ``bytes[k]`` less: the discarded activations, less the
       ``hold`` bytes the checkpoint keeps (inputs that would have died, RNG state);
     * from ``end`` to ``bw_end`` (its backward) it holds ``hold`` more;
-    * a whole FSDP unit's ``hold`` includes its parameters, gathered once more
-      while it is checkpointed (:func:`autosac.solver.sharding.regathered_bytes`);
     * at ``end``, while it recomputes -- before the first backward op there
       allocates anything -- ``work[k]`` more on top of that.
     """
@@ -350,7 +348,6 @@ def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
     take the same choice: every call is a checkpoint region with the same policy.
     """
     live = _adjusted_live(stats)
-    regather = regathered_bytes(stats)
     candidates: list[Candidate] = []
     linked: list[list[Candidate]] = []
     for fqn in stats.subtree(stats.root):
@@ -377,7 +374,7 @@ def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
             retained = m.retained_input_calls[j] if j < len(m.retained_input_calls) else m.retained_input_bytes
             parts = [tuple(r) for r in m.retained_inputs[j]] if j < len(m.retained_inputs) else []
             outside = m.outside_write_calls[j] if j < len(m.outside_write_calls) else m.outside_write_bytes
-            hold = retained + stats.checkpoint_state_bytes + outside + regather.get(fqn, 0)
+            hold = retained + stats.checkpoint_state_bytes + outside
             # what the cache holds for kept ops is not saved either (conservatively
             # over the whole interval: it is held from its consumers' backward on)
             net = [int(cum_b[k - 1]) - hold - _cache_held(m, stats, mine, k, window)[0] for k in picks]

@@ -122,15 +122,3 @@ def sharded_live(stats: ModelStats, live: np.ndarray) -> np.ndarray:
         out[opt[0] : opt[-1] + 1] -= frac * extra
     return out.astype(np.int64)
 
-
-def regathered_bytes(stats: ModelStats) -> dict[str, int]:
-    """Unit fqn -> bytes a checkpoint of that whole unit holds.
-
-    Measured with FSDP2 on gloo: when a unit is itself checkpointed (the
-    checkpoint wraps the module ``fully_shard`` hooks), the rank holds one more
-    copy of the unit's gathered parameters from the end of its forward until
-    the end of its backward; a checkpointed module inside a unit costs nothing
-    extra."""
-    if stats.world_size <= 1:
-        return {}
-    return {u.fqn: u.param_bytes for u in fsdp_units(stats)}
