@@ -66,28 +66,11 @@ def solve_stats(
         return _make_plan(stats, problem, {}, budget_bytes, _trivial(solver))
     milp = build_milp(problem, budget_bytes)
     start = chain = None
-    exact = not problem.shared
     if presolve:
-        # Nested intervals: the exact chain DP gives the optimum; the MILP gets it
-        # as a proven lower bound and (CBC) as its starting solution.  With inputs
-        # that several checkpoints keep, the DP counts them once per checkpoint:
-        # its plan still fits and is a starting solution, but neither optimal
-        # nor a bound, and its "infeasible" proves nothing.
-        dp_problem = problem if exact else problem.with_shared_held_by_each()
-        try:
-            chain = solve_chain(dp_problem, budget_bytes, milp_needs(dp_problem, budget_bytes))
-        except NotAChain:
-            pass
-        else:
-            if chain is None and exact:
-                milp = None
-            elif chain is not None:
-                if exact:
-                    milp = with_objective_bound(milp, chain.objective * (1 - 1e-9) - 1e-9)
-                start = encode(milp, chain.choice)
+        milp, start, chain = _presolve_chain(problem, budget_bytes, milp)
     sol = BACKENDS[solver](milp, time_limit_s, start) if milp is not None else Solution(
         None, "infeasible", math.inf, math.nan, math.inf, 0.0, solver)
-    if sol.x is None and chain is not None and (exact or problem.evaluate(chain.choice) <= budget_bytes):
+    if sol.x is None and chain is not None and problem.evaluate(chain.choice) <= budget_bytes:
         # The MILP ran out of time before confirming it: the chain optimum stands, flagged.
         info = {**_info(sol), "status": "time_limit_presolve", "objective": chain.objective, "presolve": "chain"}
         return _make_plan(stats, problem, chain.choice, budget_bytes, info)
@@ -112,6 +95,35 @@ def solve_stats(
     info = _info(sol)
     info["presolve"] = "chain" if start is not None else None
     return _make_plan(stats, problem, choice, budget_bytes, info)
+
+
+def _presolve_chain(problem: Problem, budget_bytes: int, milp):
+    """The exact chain DP where intervals nest: returns the MILP (None when the
+    DP proved the budget infeasible), a starting solution and the DP's plan.
+
+    The DP's optimum becomes a proven lower bound on the MILP's objective and
+    its plan the starting solution.  With inputs several checkpoints keep
+    (``problem.shared``) the DP cannot count them once; it runs twice instead:
+    counting them in every holder (a plan that surely fits: the start) and not
+    at all (a relaxation: its optimum is still a lower bound)."""
+    try:
+        if not problem.shared:
+            chain = solve_chain(problem, budget_bytes, milp_needs(problem, budget_bytes))
+            if chain is None:
+                return None, None, None
+            bound = chain.objective
+        else:
+            held = problem.with_shared_held_by_each()
+            chain = solve_chain(held, budget_bytes, milp_needs(held, budget_bytes))
+            free = problem.without_shared()
+            relaxed = solve_chain(free, budget_bytes, milp_needs(free, budget_bytes))
+            if relaxed is None:
+                return None, None, None
+            bound = relaxed.objective
+    except NotAChain:
+        return milp, None, None
+    milp = with_objective_bound(milp, bound * (1 - 1e-9) - 1e-9)
+    return milp, (encode(milp, chain.choice) if chain is not None else None), chain
 
 
 def plan_from_decisions(

@@ -115,6 +115,11 @@ class Problem:
                 cands[i].bytes = [b - s.bytes for b in cands[i].bytes]
         return replace(self, candidates=cands, shared=[])
 
+    def without_shared(self) -> Problem:
+        """This problem with the shared inputs counted nowhere: its peaks are
+        never above this one's, so its least recompute time is a lower bound here."""
+        return replace(self, shared=[])
+
     def recompute_ms(self, choice: dict[int, int]) -> float:
         return self.always_ms + sum(self.candidates[i].ms[k - 1] for i, k in choice.items())
 
@@ -331,6 +336,8 @@ def _share_retained(candidates: list[Candidate]) -> list[SharedHold]:
         nbytes, freed = size[sid]
         if len(idx) < 2 or any(candidates[i].start > freed for i in idx):
             continue
+        if all(a in candidates[b].ancestors or b in candidates[a].ancestors for a in idx for b in idx if a < b):
+            continue  # a module and the modules inside it: at most one is checkpointed, its hold counts it
         for i in idx:
             c = candidates[i]
             c.hold -= nbytes
