@@ -311,3 +311,19 @@ def test_an_input_every_checkpoint_keeps_counts_once_and_matches_exhaustive_sear
             plan = solve_stats(stats, budget, solver=solver, problem=problem, max_choices=2, presolve=presolve)
             assert plan.predicted_peak_bytes <= budget
             assert math.isclose(plan.recompute_ms, best_ms, rel_tol=1e-6, abs_tol=1e-9), (frac, presolve)
+
+
+def test_an_infeasible_budget_below_the_optimizer_state_names_the_remedy():
+    from autosac.models import build_model
+
+    model, idx = build_model("llama-7b", device="meta", batch=1, seq=256)
+    stats = autosac.profile(model, idx, optimizer="adamw")
+    floor = stats.param_bytes + stats.grad_bytes + stats.optimizer_bytes
+    with pytest.raises(autosac.InfeasibleBudgetError) as e:
+        autosac.solve(stats, floor // 2)
+    text = str(e.value)
+    assert "optimizer step alone holds" in text and "world_size" in text and "lighter optimizer" in text
+    assert e.value.min_feasible_bytes > floor
+    # sharded over enough ranks, the same budget is a matter of checkpointing
+    sharded = autosac.profile(model, idx, optimizer="adamw", world_size=64)
+    assert autosac.solve(sharded, floor // 2).predicted_peak_bytes <= floor // 2

@@ -87,7 +87,7 @@ def solve_stats(
         if best_peak > budget_bytes:
             raise InfeasibleBudgetError(
                 f"budget {_pair(budget_bytes, best_peak)[0]} is below the least reachable peak "
-                f"{_pair(budget_bytes, best_peak)[1]}: raise the budget to at least that",
+                f"{_pair(budget_bytes, best_peak)[1]}: {_remedy(stats, budget_bytes, best_peak)}",
                 min_feasible_bytes=best_peak,
             )
         return _make_plan(stats, problem, best_choice, budget_bytes, {**_info(sol), "status": "time_limit_fallback"})
@@ -180,6 +180,21 @@ def least_peak(
         return None
     choice = decode(milp, sol.x)
     return problem.evaluate(choice), choice
+
+
+def _remedy(stats: ModelStats, budget_bytes: int, least: int) -> str:
+    """What to do about an infeasible budget.  When the parameters, gradients
+    and optimizer state (per rank) fill most of the least peak, checkpointing
+    cannot help: say so and name what can."""
+    w = stats.world_size
+    state = (stats.param_bytes + stats.grad_bytes + stats.optimizer_bytes) / w
+    if state < 0.5 * least:
+        return "raise the budget to at least that"
+    parts = f"params {format_bytes(stats.param_bytes / w)}, grads {format_bytes(stats.grad_bytes / w)}, " \
+            f"{stats.optimizer} state {format_bytes(stats.optimizer_bytes / w)}"
+    return (f"the optimizer step alone holds {format_bytes(state)} per rank ({parts}), which no checkpointing "
+            "lowers -- shard over more ranks (world_size), use a lighter optimizer (sgd, or none), or raise the "
+            "budget to at least the least peak")
 
 
 def _pair(a: int, b: int) -> tuple[str, str]:
