@@ -68,6 +68,11 @@ def solve_stats(
     start = chain = None
     if presolve:
         milp, start, chain = _presolve_chain(problem, budget_bytes, milp)
+        if chain is not None and not problem.shared:
+            # the chain DP solved exactly this problem: its optimum needs no MILP proof
+            info = {"backend": solver, "status": "optimal", "gap": 0.0, "seconds": 0.0,
+                    "objective": chain.objective, "bound": chain.objective, "presolve": "chain"}
+            return _make_plan(stats, problem, chain.choice, budget_bytes, info)
     sol = BACKENDS[solver](milp, time_limit_s, start) if milp is not None else Solution(
         None, "infeasible", math.inf, math.nan, math.inf, 0.0, solver)
     if sol.x is None and chain is not None and problem.evaluate(chain.choice) <= budget_bytes:
@@ -101,8 +106,9 @@ def _presolve_chain(problem: Problem, budget_bytes: int, milp):
     """The exact chain DP where intervals nest: returns the MILP (None when the
     DP proved the budget infeasible), a starting solution and the DP's plan.
 
-    The DP's optimum becomes a proven lower bound on the MILP's objective and
-    its plan the starting solution.  With inputs several checkpoints keep
+    Without shared inputs the DP's plan is the optimum.  Otherwise its
+    optimum becomes a proven lower bound on the MILP's objective and its plan
+    the starting solution.  With inputs several checkpoints keep
     (``problem.shared``) the DP cannot count them once; it runs twice instead:
     counting them in every holder (a plan that surely fits: the start) and not
     at all (a relaxation: its optimum is still a lower bound)."""

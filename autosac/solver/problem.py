@@ -355,6 +355,7 @@ def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
     take the same choice: every call is a checkpoint region with the same policy.
     """
     live = _adjusted_live(stats)
+    orders: dict = {}  # identical layers share their discard order
     candidates: list[Candidate] = []
     linked: list[list[Candidate]] = []
     for fqn in stats.subtree(stats.root):
@@ -367,7 +368,7 @@ def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
         first = calls[0][0]
         op_ids = [i for i in m.saved_op_ids if first[0] <= stats.saved_ops[i].event < first[1]]
         items, forced = _discard_items(stats, op_ids, first)
-        items, costs = order_items(ModuleReplay.of(stats, fqn), items, first=forced)
+        items, costs = order_items(ModuleReplay.of(stats, fqn), items, first=forced, cache=orders)
         cum_t = np.asarray(costs)
         cum_first = np.cumsum([sum(stats.saved_ops[i].bytes for i in it) for it in items])
         picks = _choice_indices(cum_first, cum_t, max_choices)

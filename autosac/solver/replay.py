@@ -63,6 +63,22 @@ class ModuleReplay:
         inputs = tl.inputs or [[] for _ in range(len(tl))]
         return cls(start, end, frozenset(kept), frozenset(forced), inputs, tl.ms, frozenset(free), stats.saved_ops)
 
+    def signature(self, items: list[list[int]], first: list[int] | None) -> tuple:
+        """Everything :func:`order_items` reads, relative to the window: equal
+        for the identical layers of a model, whose orders are then computed once."""
+        s = self.start
+
+        def rel(events) -> tuple:
+            return tuple(sorted(e - s for e in events))
+
+        window = range(self.start, self.end)
+        graph = tuple(tuple(p - s if self.start <= p < self.end else -1 for p in self.inputs[e]) for e in window)
+        return (
+            graph, tuple(self.ms[self.start : self.end]), rel(self.kept), rel(self.forced), rel(self.free),
+            tuple((rel(self.events(it)), sum(self.saved_ops[i].bytes for i in it)) for it in items),
+            rel(self.events(first or [])),
+        )
+
     def events(self, op_ids) -> set[int]:
         """The window's events of saved ops ``op_ids``: each op and its in-place writers."""
         return {
@@ -108,7 +124,7 @@ class ModuleReplay:
 
 
 def order_items(
-    rp: ModuleReplay, items: list[list[int]], first: list[int] | None = None
+    rp: ModuleReplay, items: list[list[int]], first: list[int] | None = None, cache: dict | None = None
 ) -> tuple[list[list[int]], list[float]]:
     """Order discard items so each prefix is a good choice, and give each
     prefix's exact replay ms.  ``first`` (saved ops every choice discards)
@@ -116,8 +132,26 @@ def order_items(
 
     Greedy by marginal replay ms per byte (an item shares the calls it needs
     with items already chosen), for modules with up to 200 items; larger ones
-    are ordered once by each item's replay ms alone per byte.
+    are ordered once by each item's replay ms alone per byte.  With ``cache``,
+    a module whose :meth:`ModuleReplay.signature` was seen reuses that order.
     """
+    key = rp.signature(items, first) if cache is not None else None
+    if key is not None and key in cache:
+        order, costs = cache[key]
+        return _merged([list(items[i]) for i in order], first), list(costs)
+    out, costs, order = _order_items(rp, items, first)
+    if key is not None:
+        cache[key] = (order, costs)
+    return out, costs
+
+
+def _merged(out: list[list[int]], first: list[int] | None) -> list[list[int]]:
+    if first:
+        return [list(first) + (out[0] if out else [])] + out[1:]
+    return out
+
+
+def _order_items(rp: ModuleReplay, items: list[list[int]], first: list[int] | None):
     def bytes_of(item: list[int]) -> int:
         return sum(rp.saved_ops[i].bytes for i in item)
 
@@ -142,10 +176,8 @@ def order_items(
             remaining.remove(best)
             discarded |= events_of(items[best])
             have = rp.needed(discarded)
-    out, costs, discarded = [list(items[i]) for i in order], [], set()
-    if first:
-        out = [list(first) + (out[0] if out else [])] + out[1:]
+    out, costs, discarded = _merged([list(items[i]) for i in order], first), [], set()
     for it in out:
         discarded |= events_of(it)
         costs.append(rp.cost(rp.needed(discarded)))
-    return out, costs
+    return out, costs, order
