@@ -68,12 +68,10 @@ def sharded_live(stats: ModelStats, live: np.ndarray) -> np.ndarray:
     if w <= 1:
         return live
     tl = stats.timeline
-    n = len(live)
     frac = 1.0 - 1.0 / w
     phases = tl.phases
-    fw_end = next((i for i, ph in enumerate(phases) if ph != "forward"), n)
     bw = [i for i, ph in enumerate(phases) if ph == "backward"]
-    bw_start, bw_end = (bw[0], bw[-1]) if bw else (n, n - 1)
+    bw_end = bw[-1] if bw else len(live) - 1
     units = fsdp_units(stats)
 
     out = live.astype(np.float64) - frac * (stats.param_bytes + stats.optimizer_bytes)
@@ -90,8 +88,28 @@ def sharded_live(stats: ModelStats, live: np.ndarray) -> np.ndarray:
         out[u.backward[1] : until + 1] += u.grad_bytes
     if bw:
         out[bw_end + 1 :] -= frac * root_grads
-    # gathered parameters: each unit in its forward and backward, the next one
-    # ahead in the backward, the root throughout
+    out += gathered_params(stats, units)
+    # small host tensors FSDP2 keeps per unit (sizes, flags): at most 156 bytes
+    # were seen with five units, allowed as 64 bytes per unit
+    out += BOOKKEEPING_BYTES * (len(units) + 1)
+    # the optimizer steps the local shards: its temporaries are a shard's too
+    opt = [i for i, ph in enumerate(phases) if ph == "optimizer"]
+    if opt:
+        before = live[opt[0]] - (tl.made_bytes[opt[0]] if tl.made_bytes else 0)
+        extra = np.clip(live[opt[0] : opt[-1] + 1] - before, 0, None)
+        out[opt[0] : opt[-1] + 1] -= frac * extra
+    return out.astype(np.int64)
+
+def gathered_params(stats: ModelStats, units: list[Unit] | None = None) -> np.ndarray:
+    """Bytes of gathered (whole) parameters one rank holds at each event, beside
+    its shards: each unit in its forward and backward, the next one ahead in
+    the backward, the root throughout, and the all-gather buffers' copy-out."""
+    units = fsdp_units(stats) if units is None else units
+    phases = stats.timeline.phases
+    n = len(phases)
+    fw_end = next((i for i, ph in enumerate(phases) if ph != "forward"), n)
+    bw = [i for i, ph in enumerate(phases) if ph == "backward"]
+    bw_start, bw_end = (bw[0], bw[-1]) if bw else (n, n - 1)
     gathered = np.zeros(n)
     root = max(0, stats.param_bytes - sum(u.param_bytes for u in units))
     gathered[: max(fw_end, bw_end + 1)] += root  # FSDP2 keeps the root gathered from forward to backward
@@ -110,15 +128,4 @@ def sharded_live(stats: ModelStats, live: np.ndarray) -> np.ndarray:
         gathered[u.forward[0]] += u.param_bytes
         if u.backward is not None:
             gathered[u.backward[0]] += u.param_bytes
-    out += gathered
-    # small host tensors FSDP2 keeps per unit (sizes, flags): at most 156 bytes
-    # were seen with five units, allowed as 64 bytes per unit
-    out += BOOKKEEPING_BYTES * (len(units) + 1)
-    # the optimizer steps the local shards: its temporaries are a shard's too
-    opt = [i for i, ph in enumerate(phases) if ph == "optimizer"]
-    if opt:
-        before = live[opt[0]] - (tl.made_bytes[opt[0]] if tl.made_bytes else 0)
-        extra = np.clip(live[opt[0] : opt[-1] + 1] - before, 0, None)
-        out[opt[0] : opt[-1] + 1] -= frac * extra
-    return out.astype(np.int64)
-
+    return gathered
