@@ -13,6 +13,8 @@ from autosac.budget import format_bytes, parse_budget
 from autosac.errors import InfeasibleBudgetError, SolveTimeoutError, StatsFormatError, TraceError
 from autosac.modelspec import UserError, build_from_spec
 
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
 
 def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt2", help="built-in name (gpt2, llama-7b, ...) or package.module:factory")
@@ -21,6 +23,10 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=_positive_int, default=None)
     p.add_argument("--target", default="h100", help="h100, h200, a100, l4, or cpu (timed locally)")
     p.add_argument("--world-size", type=_positive_int, default=1)
+    p.add_argument("--param-dtype", choices=sorted(_DTYPES), default=None,
+                   help="FSDP2 MixedPrecisionPolicy param_dtype (with --world-size > 1)")
+    p.add_argument("--reduce-dtype", choices=sorted(_DTYPES), default=None,
+                   help="FSDP2 MixedPrecisionPolicy reduce_dtype (default: the param dtype)")
     p.add_argument("--optimizer", default="adamw")
     p.add_argument("--solver", default="cbc", choices=["cbc", "highs"])
     p.add_argument("--time-limit", type=_positive_float, default=60.0, help="seconds for the solver")
@@ -47,10 +53,15 @@ def _positive_int(text: str) -> int:
 
 
 def _profile(args):
+    import torch
+
     import autosac
 
     model, inputs = build_from_spec(args.model, args.model_arg, args.batch, args.seq)
-    return autosac.profile(model, inputs, optimizer=args.optimizer, target=args.target, world_size=args.world_size)
+    dtypes = {k: getattr(torch, _DTYPES[v]) for k, v in (("param_dtype", args.param_dtype),
+                                                          ("reduce_dtype", args.reduce_dtype)) if v}
+    return autosac.profile(model, inputs, optimizer=args.optimizer, target=args.target, world_size=args.world_size,
+                           **dtypes)
 
 
 def cmd_plan(args) -> int:

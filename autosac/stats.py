@@ -190,6 +190,9 @@ class ModelStats:
     unknown_flop_ops: list[str]
     versions: dict[str, str]
     input_shapes: list[list] = field(default_factory=list)  # autosac.inputs.input_signature of the traced step
+    # FSDP2 mixed precision (profile's param_dtype): {"param_dtype", "reduce_dtype", "master_ratio",
+    # "reduce_ratio"}; the trace then ran in param_dtype, and the ratios scale its parameter bytes
+    mixed_precision: dict = field(default_factory=dict)
     checkpoint_state_bytes: int = 0  # what each checkpoint call keeps besides inputs: the saved RNG state
     format: int = STATS_FORMAT
 

@@ -83,7 +83,7 @@ def test_plan_composes_with_fully_shard(tmp_path):
 MEM_CFG = dict(n_layer=4, dim=256, n_head=4, seq=256, vocab=2048, dropout=0.0)
 
 
-def _peak_worker(rank, world, port, plan_json, out_dir):
+def _peak_worker(rank, world, port, plan_json, out_dir, mixed=None):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -95,9 +95,14 @@ def _peak_worker(rank, world, port, plan_json, out_dir):
         model, idx = build_model("gpt2", device="cpu", batch=4, **MEM_CFG)
         if plan_json:
             autosac.apply(model, autosac.Plan.from_json(plan_json))
+        kw = {}
+        if mixed:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed[0], reduce_dtype=mixed[1])
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
         peak = autosac.measure(model, idx, optimizer="adamw", steps=1).peak_bytes
         (out_dir / f"rank{rank}").write_text(str(peak))
     finally:
@@ -128,8 +133,8 @@ def _plain_checkpoint_worker(rank, world, port, fqn, out_dir):
         dist.destroy_process_group()
 
 
-def _fsdp_peak(tmp_path, world, plan) -> int:
-    _run_ranks(_peak_worker, world, plan.to_json() if plan is not None else None, tmp_path)
+def _fsdp_peak(tmp_path, world, plan, mixed=None) -> int:
+    _run_ranks(_peak_worker, world, plan.to_json() if plan is not None else None, tmp_path, mixed)
     return max(int((tmp_path / f"rank{r}").read_text()) for r in range(world))
 
 
@@ -174,3 +179,31 @@ def test_a_planned_whole_unit_costs_what_torch_checkpoint_costs(tmp_path):
     _run_ranks(_plain_checkpoint_worker, 2, "blocks.0", tmp_path)
     plain = max(int((tmp_path / f"rank{r}").read_text()) for r in range(2))
     assert abs(planned - plain) <= 64 * 1024, (planned, plain)
+
+
+def test_mixed_precision_fsdp2_matches_its_prediction(tmp_path):
+    """FSDP2 with MixedPrecisionPolicy(bf16 params, fp32 reduce): traced in bf16,
+    shards and AdamW state in fp32; per-rank peak with and without a plan."""
+    from suite import A100_CPU_KERNELS
+
+    model, idx = build_model("gpt2", device="meta", batch=4, **MEM_CFG)
+    mixed = (torch.bfloat16, torch.float32)
+    stats = autosac.profile(model, idx, optimizer="adamw", target=A100_CPU_KERNELS, world_size=2,
+                            param_dtype=mixed[0], reduce_dtype=mixed[1])
+    assert stats.mixed_precision["master_ratio"] == 2.0
+    from autosac.solver.problem import build_problem
+
+    for plan in (None, autosac.solve(stats, "70%")):
+        predicted = build_problem(stats).baseline_peak if plan is None else plan.predicted_peak_bytes
+        measured = _fsdp_peak(tmp_path, 2, plan, mixed)
+        assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
+
+
+def test_mixed_precision_options_are_checked():
+    model, idx = build_model("gpt2", device="meta", batch=4, **MEM_CFG)
+    with pytest.raises(ValueError, match="needs world_size > 1"):
+        autosac.profile(model, idx, param_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="floating torch.dtype"):
+        autosac.profile(model, idx, world_size=2, param_dtype=torch.int8)
+    with pytest.raises(ValueError, match="reduce_dtype needs param_dtype"):
+        autosac.profile(model, idx, world_size=2, reduce_dtype=torch.float32)

@@ -119,6 +119,7 @@ def test_cli_sweep_reuses_one_profile(capsys):
         (["verify", "/no/such/plan.json"], "No such file"),
         (["plan", "--budget", "50%", "--batch", "-3"], "is not positive"),
         (["plan", "--budget", "90%", "--model", "gpt-tiny", "--json", "/"], "IsADirectoryError|Errno"),
+        (["plan", "--budget", "90%", "--model", "gpt-tiny", "--param-dtype", "bf16"], "needs world_size > 1"),
     ],
 )
 def test_cli_user_mistakes_are_one_line(argv, match):

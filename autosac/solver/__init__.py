@@ -70,7 +70,7 @@ def solve_stats(
         milp, start, chain = _presolve_chain(problem, budget_bytes, milp)
         if chain is not None and not problem.shared:
             # the chain DP solved exactly this problem: its optimum needs no MILP proof
-            info = {"backend": solver, "status": "optimal", "gap": 0.0, "seconds": 0.0,
+            info = {"backend": "chain DP", "status": "optimal", "gap": 0.0, "seconds": 0.0,
                     "objective": chain.objective, "bound": chain.objective, "presolve": "chain"}
             return _make_plan(stats, problem, chain.choice, budget_bytes, info)
     sol = BACKENDS[solver](milp, time_limit_s, start) if milp is not None else Solution(

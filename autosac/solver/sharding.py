@@ -20,6 +20,11 @@ changes what one rank holds at each event:
   on a rank that runs ahead of the others (the collective still in flight)
   until the one after; the model counts the longer of the two.
 
+With FSDP2's mixed precision (``profile(param_dtype=...)``) the trace ran in
+``param_dtype``: gathered parameters and whole gradients are in it, shards,
+sharded gradients and the optimizer in the parameters' own dtype, and the
+reduce-scatter's input in ``reduce_dtype``.
+
 Units are the children of ``ModuleList``/``Sequential`` containers (the usual
 ``for block in model.layers: fully_shard(block)``), and the root.
 """
@@ -68,26 +73,31 @@ def sharded_live(stats: ModelStats, live: np.ndarray) -> np.ndarray:
     if w <= 1:
         return live
     tl = stats.timeline
-    frac = 1.0 - 1.0 / w
     phases = tl.phases
     bw = [i for i, ph in enumerate(phases) if ph == "backward"]
     bw_end = bw[-1] if bw else len(live) - 1
     units = fsdp_units(stats)
 
-    out = live.astype(np.float64) - frac * (stats.param_bytes + stats.optimizer_bytes)
+    # with mixed precision the trace ran in param_dtype: shards (and the
+    # optimizer's state and work) are in the parameters' own dtype, the
+    # reduce-scatter in reduce_dtype
+    master = stats.mixed_precision.get("master_ratio", 1.0)
+    reduce = stats.mixed_precision.get("reduce_ratio", 1.0)
+    shard = master / w  # a shard's bytes per traced byte
+    out = live.astype(np.float64) - (1.0 - shard) * (stats.param_bytes + stats.optimizer_bytes)
     # gradients: whole until their unit's backward ends, then a shard
     unit_grads = sum(u.grad_bytes for u in units)
     root_grads = max(0, stats.grad_bytes - unit_grads)
     done = sorted((u for u in units if u.backward is not None), key=lambda u: u.backward[1])
     for i, u in enumerate(done):
-        out[u.backward[1] + 1 :] -= frac * u.grad_bytes
+        out[u.backward[1] + 1 :] -= (1.0 - shard) * u.grad_bytes
         # the reduce-scatter's flat input stays alive until the next unit's
         # reduce-scatter -- or, on a rank that runs ahead while the collective is
         # still in flight, until the one after that
         until = done[i + 2].backward[1] if i + 2 < len(done) else bw_end
-        out[u.backward[1] : until + 1] += u.grad_bytes
+        out[u.backward[1] : until + 1] += reduce * u.grad_bytes
     if bw:
-        out[bw_end + 1 :] -= frac * root_grads
+        out[bw_end + 1 :] -= (1.0 - shard) * root_grads
     out += gathered_params(stats, units)
     # small host tensors FSDP2 keeps per unit (sizes, flags): at most 156 bytes
     # were seen with five units, allowed as 64 bytes per unit
@@ -97,7 +107,7 @@ def sharded_live(stats: ModelStats, live: np.ndarray) -> np.ndarray:
     if opt:
         before = live[opt[0]] - (tl.made_bytes[opt[0]] if tl.made_bytes else 0)
         extra = np.clip(live[opt[0] : opt[-1] + 1] - before, 0, None)
-        out[opt[0] : opt[-1] + 1] -= frac * extra
+        out[opt[0] : opt[-1] + 1] -= (1.0 - shard) * extra
     return out.astype(np.int64)
 
 def gathered_params(stats: ModelStats, units: list[Unit] | None = None) -> np.ndarray:

@@ -29,6 +29,8 @@ def profile(
     optimizer: OptimizerSpec = "adamw",
     target: str | DeviceSpec = "h100",
     world_size: int = 1,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> ModelStats:
     """Trace one training step (forward, loss, backward, optimizer step) under
     FakeTensorMode and return its memory, runtime and recompute statistics.
@@ -46,6 +48,11 @@ def profile(
             ``"cpu"`` = timed on this machine) or a :class:`DeviceSpec`.
         world_size: ranks sharing params/grads/optimizer state (FSDP/ZeRO-3);
             recorded for the solver.
+        param_dtype, reduce_dtype: FSDP2's ``MixedPrecisionPolicy``, with
+            ``world_size > 1``: the step is traced with parameters (and
+            floating inputs) in ``param_dtype``, gathered in it, and gradients
+            reduced in ``reduce_dtype`` (default: ``param_dtype``, as FSDP2's);
+            shards and optimizer state stay in the parameters' own dtype.
 
     Returns:
         ModelStats: plain, JSON-serialisable statistics.
@@ -53,7 +60,8 @@ def profile(
     Raises:
         NothingToCheckpointError: nothing requires grad / the loss is not differentiable.
         TraceError: the forward raised (the message names the module) or inputs don't fit.
-        ValueError: an unknown target or optimizer, ``world_size < 1``, a model
+        ValueError: an unknown target or optimizer, ``world_size < 1``, a
+            ``param_dtype`` without ``world_size > 1`` or not floating, a model
             that already has a plan applied, or one that checkpoints by itself
             (transformers' ``gradient_checkpointing_enable()``).
         TypeError: ``model`` is not an ``nn.Module``.
@@ -75,9 +83,11 @@ def profile(
     spec = resolve_target(target)
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    mixed = _mixed_precision(model, world_size, param_dtype, reduce_dtype)
     cost = CostModel(spec)
     try:
-        step = trace_step(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, cost_model=cost)
+        step = trace_step(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, cost_model=cost,
+                          param_dtype=param_dtype)
     finally:
         cost.finish()
     if step.recording.unknown_ops:
@@ -97,6 +107,27 @@ def profile(
         versions={"autosac": __version__, "torch": torch.__version__},
     )
     stats.input_shapes = input_signature(*split_inputs(example_inputs))
+    stats.mixed_precision = mixed
     # preserve_rng_state keeps the CPU generator state (and a device's) per checkpoint call
     stats.checkpoint_state_bytes = torch.get_rng_state().numel() + (16 if not spec.measured else 0)
     return stats
+
+
+def _mixed_precision(model: nn.Module, world_size: int, param_dtype, reduce_dtype) -> dict:
+    """Validate FSDP2's mixed precision options; the sizes the solver needs."""
+    if param_dtype is None:
+        if reduce_dtype is not None:
+            raise ValueError("reduce_dtype needs param_dtype (FSDP2's MixedPrecisionPolicy)")
+        return {}
+    for name, d in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if d is not None and (not isinstance(d, torch.dtype) or not d.is_floating_point):
+            raise ValueError(f"{name} must be a floating torch.dtype such as torch.bfloat16, got {d!r}")
+    if world_size < 2:
+        raise ValueError("param_dtype is FSDP2's MixedPrecisionPolicy: it needs world_size > 1")
+    master = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    reduce = reduce_dtype or param_dtype
+    return {
+        "param_dtype": str(param_dtype).removeprefix("torch."), "reduce_dtype": str(reduce).removeprefix("torch."),
+        # the trace's parameter, gradient and optimizer bytes are in param_dtype: these scale them
+        "master_ratio": master.itemsize / param_dtype.itemsize, "reduce_ratio": reduce.itemsize / param_dtype.itemsize,
+    }

@@ -38,16 +38,18 @@ class TracedStep:
     buffer_bytes: int
 
 
-def _fake_like(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+def _fake_like(t: torch.Tensor, requires_grad: bool, dtype: torch.dtype | None = None) -> torch.Tensor:
     # Always on cpu: fake tensors hold no data, and one device keeps meta models,
     # real-weight models and any kind of input compatible.
-    fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
+    fake = torch.empty_strided(t.shape, t.stride(), dtype=dtype, device="cpu")
     return fake.requires_grad_(requires_grad) if requires_grad else fake
 
 
 @contextmanager
-def fake_parameters(model: nn.Module, mode: FakeTensorMode):
-    """Swap every parameter and buffer for a fake twin; tied ones stay tied; restored on exit."""
+def fake_parameters(model: nn.Module, mode: FakeTensorMode, param_dtype: torch.dtype | None = None):
+    """Swap every parameter and buffer for a fake twin (floating parameters in
+    ``param_dtype`` when given); tied ones stay tied; restored on exit."""
     memo: dict[int, torch.Tensor] = {}
     swapped: list[tuple[dict, str, torch.Tensor]] = []
     try:
@@ -59,7 +61,8 @@ def fake_parameters(model: nn.Module, mode: FakeTensorMode):
                             continue
                         if id(t) not in memo:
                             if isinstance(t, nn.Parameter):
-                                memo[id(t)] = nn.Parameter(_fake_like(t, False), requires_grad=t.requires_grad)
+                                memo[id(t)] = nn.Parameter(_fake_like(t, False, param_dtype),
+                                                           requires_grad=t.requires_grad)
                             else:
                                 memo[id(t)] = _fake_like(t, False)
                         swapped.append((table, name, t))
@@ -76,6 +79,7 @@ def trace_step(
     loss_fn=None,
     optimizer: OptimizerSpec = "adamw",
     cost_model: CostModel | None = None,
+    param_dtype: torch.dtype | None = None,
 ) -> TracedStep:
     """Trace forward, loss, backward and optimizer step; return the raw recording.
 
@@ -98,8 +102,9 @@ def trace_step(
     before = capture(model, real_args, real_kwargs)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
-        with _fake_tensor_log_quiet(), fake_parameters(model, mode), mode:
-            args, kwargs = tree_map(_trace_input, (real_args, real_kwargs))
+        with _fake_tensor_log_quiet(), fake_parameters(model, mode, param_dtype), mode:
+            # FSDP2's mixed precision casts floating inputs to param_dtype too
+            args, kwargs = tree_map(lambda x: _trace_input(x, param_dtype), (real_args, real_kwargs))
             step = _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode)
             if before.grew():
                 step = _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode)
@@ -127,7 +132,7 @@ def _target_dispatch(spec):
     return TargetDispatch(spec.capability) if spec.device_type == "cuda" else nullcontext()
 
 
-def _trace_input(x):
+def _trace_input(x, dtype: torch.dtype | None = None):
     """A fake twin of an example input -- except small integer and boolean
     tensors on the cpu (token ids, masks, positions), which stay real so that
     code reading their values branches as in the real step."""
@@ -135,7 +140,7 @@ def _trace_input(x):
         return x
     if x.device.type == "cpu" and not x.is_floating_point() and not x.is_complex() and x.numel() <= SMALL_NUMEL:
         return x
-    return _fake_like(x, x.requires_grad)
+    return _fake_like(x, x.requires_grad, dtype)
 
 
 def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode) -> TracedStep:
