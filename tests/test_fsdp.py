@@ -175,10 +175,13 @@ def test_a_planned_whole_unit_costs_what_torch_checkpoint_costs(tmp_path):
 
     model, idx = build_model("gpt2", device="meta", batch=4, **MEM_CFG)
     stats = autosac.profile(model, idx, optimizer="adamw", target=A100_CPU_KERNELS, world_size=2)
-    planned = _fsdp_peak(tmp_path, 2, plan_from_decisions(stats, {"blocks.0": 1.0}))
-    _run_ranks(_plain_checkpoint_worker, 2, "blocks.0", tmp_path)
-    plain = max(int((tmp_path / f"rank{r}").read_text()) for r in range(2))
-    assert abs(planned - plain) <= 64 * 1024, (planned, plain)
+    plan = plan_from_decisions(stats, {"blocks.0": 1.0})
+    planned, plain = [], []
+    for _ in range(2):  # the least of two runs: a rank sometimes holds a few MB more (gloo's timing)
+        planned.append(_fsdp_peak(tmp_path, 2, plan))
+        _run_ranks(_plain_checkpoint_worker, 2, "blocks.0", tmp_path)
+        plain.append(max(int((tmp_path / f"rank{r}").read_text()) for r in range(2)))
+    assert abs(min(planned) - min(plain)) <= 64 * 1024, (planned, plain)
 
 
 def test_mixed_precision_fsdp2_matches_its_prediction(tmp_path):
