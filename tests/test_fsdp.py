@@ -83,9 +83,13 @@ def test_plan_composes_with_fully_shard(tmp_path):
 MEM_CFG = dict(n_layer=4, dim=256, n_head=4, seq=256, vocab=2048, dropout=0.0)
 
 
-def _peak_worker(rank, world, port, plan_json, out_dir, mixed=None):
+def _peak_worker(rank, world, port, plan_json, out_dir, mixed=None, plain_checkpoint=None):
+    """One rank: the GPT with a plan applied (or the block ``plain_checkpoint``
+    wrapped in torch's own checkpoint), per-block ``fully_shard`` (with a
+    MixedPrecisionPolicy of ``mixed`` = (param, reduce) dtypes), one measured step."""
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.utils.checkpoint import checkpoint
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -95,11 +99,11 @@ def _peak_worker(rank, world, port, plan_json, out_dir, mixed=None):
         model, idx = build_model("gpt2", device="cpu", batch=4, **MEM_CFG)
         if plan_json:
             autosac.apply(model, autosac.Plan.from_json(plan_json))
-        kw = {}
-        if mixed:
-            from torch.distributed.fsdp import MixedPrecisionPolicy
-
-            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed[0], reduce_dtype=mixed[1])
+        if plain_checkpoint:
+            block = model.get_submodule(plain_checkpoint)
+            forward = block.forward
+            block.forward = lambda *a, **k: checkpoint(forward, *a, use_reentrant=False, **k)
+        kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=mixed[0], reduce_dtype=mixed[1])} if mixed else {}
         for block in model.blocks:
             fully_shard(block, **kw)
         fully_shard(model, **kw)
@@ -109,32 +113,8 @@ def _peak_worker(rank, world, port, plan_json, out_dir, mixed=None):
         dist.destroy_process_group()
 
 
-def _plain_checkpoint_worker(rank, world, port, fqn, out_dir):
-    """As ``_peak_worker``, with one block checkpointed by torch's own checkpoint instead of a plan."""
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-    from torch.utils.checkpoint import checkpoint
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(0)
-        model, idx = build_model("gpt2", device="cpu", batch=4, **MEM_CFG)
-        block = model.get_submodule(fqn)
-        forward = block.forward
-        block.forward = lambda *a, **k: checkpoint(forward, *a, use_reentrant=False, **k)
-        for b in model.blocks:
-            fully_shard(b)
-        fully_shard(model)
-        peak = autosac.measure(model, idx, optimizer="adamw", steps=1).peak_bytes
-        (out_dir / f"rank{rank}").write_text(str(peak))
-    finally:
-        dist.destroy_process_group()
-
-
-def _fsdp_peak(tmp_path, world, plan, mixed=None) -> int:
-    _run_ranks(_peak_worker, world, plan.to_json() if plan is not None else None, tmp_path, mixed)
+def _fsdp_peak(tmp_path, world, plan, mixed=None, plain_checkpoint=None) -> int:
+    _run_ranks(_peak_worker, world, plan.to_json() if plan is not None else None, tmp_path, mixed, plain_checkpoint)
     return max(int((tmp_path / f"rank{r}").read_text()) for r in range(world))
 
 
@@ -179,8 +159,7 @@ def test_a_planned_whole_unit_costs_what_torch_checkpoint_costs(tmp_path):
     planned, plain = [], []
     for _ in range(2):  # the least of two runs: a rank sometimes holds a few MB more (gloo's timing)
         planned.append(_fsdp_peak(tmp_path, 2, plan))
-        _run_ranks(_plain_checkpoint_worker, 2, "blocks.0", tmp_path)
-        plain.append(max(int((tmp_path / f"rank{r}").read_text()) for r in range(2)))
+        plain.append(_fsdp_peak(tmp_path, 2, None, plain_checkpoint="blocks.0"))
     assert abs(min(planned) - min(plain)) <= 64 * 1024, (planned, plain)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import bisect
 import weakref
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
@@ -246,17 +246,15 @@ def scalar_scratch_bytes(func, args, kwargs, device_type: str = "cpu") -> int:
     number is a kernel argument and costs no device memory."""
     if device_type != "cpu" or torch.Tag.pointwise not in func.tags:
         return 0
-    total = 0
-    for i, arg in enumerate(func._schema.arguments):
-        v = args[i] if i < len(args) else kwargs.get(arg.name)
-        if arg.name != "other" or type(v) not in _WRAPPED:
-            continue
-        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if first is None or first.device.type != "cpu":
-            return 0
-        wrapped = _WRAPPED[type(v)]
-        total += wrapped.itemsize + (first.element_size() if first.dtype != wrapped else 0)
-    return total
+    i = _other_slot(func)
+    v = None if i is None else _arg(args, kwargs, i, "other")
+    if type(v) not in _WRAPPED:
+        return 0
+    first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if first is None or first.device.type != "cpu":
+        return 0
+    wrapped = _WRAPPED[type(v)]
+    return wrapped.itemsize + (first.element_size() if first.dtype != wrapped else 0)
 
 
 def real_output_bytes(func, args, kwargs) -> tuple[int, ...] | None:
@@ -272,13 +270,25 @@ def real_output_bytes(func, args, kwargs) -> tuple[int, ...] | None:
         return None
 
 
+@cache
+def _tensor_slots(func) -> tuple[tuple[int, str], ...]:
+    """(position, name) of the schema's Tensor-typed arguments (once per op)."""
+    return tuple((i, a.name) for i, a in enumerate(func._schema.arguments) if isinstance(a.type, torch.TensorType))
+
+
+@cache
+def _other_slot(func) -> int | None:
+    """Position of the schema's ``other`` argument, if it has one."""
+    return next((i for i, a in enumerate(func._schema.arguments) if a.name == "other"), None)
+
+
+def _arg(args, kwargs, i: int, name: str):
+    return args[i] if i < len(args) else kwargs.get(name)
+
+
 def _number_in_tensor_slot(func, args, kwargs) -> bool:
     """Whether a Python number was passed where the schema takes a Tensor."""
-    for i, arg in enumerate(func._schema.arguments):
-        v = args[i] if i < len(args) else kwargs.get(arg.name)
-        if isinstance(v, (int, float, complex)) and isinstance(arg.type, torch.TensorType):
-            return True
-    return False
+    return any(isinstance(_arg(args, kwargs, i, n), (int, float, complex)) for i, n in _tensor_slots(func))
 
 
 def common_prefix(a: Stack, b: Stack) -> Stack:
