@@ -21,6 +21,7 @@ def solve(
     world_size: int = 1,
     param_dtype=None,
     reduce_dtype=None,
+    autocast=None,
     solver: str = "cbc",
     time_limit_s: float = 60,
     reserve: str | int | float = 0,
@@ -33,7 +34,7 @@ def solve(
     Args:
         model_or_stats: an ``nn.Module`` (profiled here with ``example_inputs``,
             ``loss_fn``, ``optimizer``, ``target``, ``world_size``, ``param_dtype``,
-            ``reduce_dtype``: see :func:`autosac.profile`) or a
+            ``reduce_dtype``, ``autocast``: see :func:`autosac.profile`) or a
             :class:`ModelStats` from :func:`autosac.profile` (profile once, solve many).
         budget: ``"8GiB"``, ``"500MB"``, ``"60%"`` of the unconstrained peak,
             an ``int`` of bytes or a ``float`` of GiB.
@@ -73,6 +74,7 @@ def solve(
         if solver not in BACKENDS:  # before the profile, which may take a while
             raise ValueError(f"unknown solver {solver!r}: use one of {', '.join(BACKENDS)}")
         stats = profile(model_or_stats, example_inputs, loss_fn=loss_fn, optimizer=optimizer,
-                        target=target, world_size=world_size, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+                        target=target, world_size=world_size, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                        autocast=autocast)
     return solve_budget(stats, budget, solver=solver, time_limit_s=time_limit_s, reserve=reserve,
                         max_choices=max_choices, presolve=presolve)

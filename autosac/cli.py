@@ -27,6 +27,8 @@ def _model_options(p: argparse.ArgumentParser) -> None:
                    help="FSDP2 MixedPrecisionPolicy param_dtype (with --world-size > 1)")
     p.add_argument("--reduce-dtype", choices=sorted(_DTYPES), default=None,
                    help="FSDP2 MixedPrecisionPolicy reduce_dtype (default: the param dtype)")
+    p.add_argument("--autocast", choices=["bf16", "fp16"], default=None,
+                   help="train under torch.autocast in this dtype (traced with the target's cast policy)")
     p.add_argument("--optimizer", default="adamw")
     p.add_argument("--solver", default="cbc", choices=["cbc", "highs"])
     p.add_argument("--time-limit", type=_positive_float, default=60.0, help="seconds for the solver")
@@ -59,7 +61,8 @@ def _profile(args):
 
     model, inputs = build_from_spec(args.model, args.model_arg, args.batch, args.seq)
     dtypes = {k: getattr(torch, _DTYPES[v]) for k, v in (("param_dtype", args.param_dtype),
-                                                          ("reduce_dtype", args.reduce_dtype)) if v}
+                                                          ("reduce_dtype", args.reduce_dtype),
+                                                          ("autocast", args.autocast)) if v}
     return autosac.profile(model, inputs, optimizer=args.optimizer, target=args.target, world_size=args.world_size,
                            **dtypes)
 

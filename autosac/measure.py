@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from torch.utils._pytree import tree_leaves
 from autosac.allocations import allocation_peak
 from autosac.inputs import split_inputs
 from autosac.optim import OptimizerSpec, default_loss, make_optimizer
+from autosac.trace.autocast import check_autocast_dtype
 
 
 @dataclass
@@ -52,6 +54,7 @@ def measure(
     loss_fn=None,
     steps: int = 3,
     optimizer: OptimizerSpec = "adamw",
+    autocast: torch.dtype | None = None,
 ) -> Measurement:
     """Run ``steps`` real training steps (after one warm-up that creates the
     optimizer state) and one more under the profiler for the memory peak.
@@ -62,12 +65,15 @@ def measure(
         loss_fn: as in :func:`autosac.profile`.
         steps: timed steps; their median is ``step_ms``.
         optimizer: as in :func:`autosac.profile`; must match the profile to compare peaks.
+        autocast: run forward and loss under ``torch.autocast`` in this dtype
+            on the model's device (as :func:`autosac.profile` traced them).
 
     Returns:
         Measurement with ``.peak_bytes`` and ``.step_ms``.
 
     Raises:
-        ValueError: ``steps < 1`` or a model on ``meta`` (nothing to run).
+        ValueError: ``steps < 1``, a model on ``meta`` (nothing to run), or an
+            ``autocast`` other than bfloat16/float16.
 
     Example::
 
@@ -78,8 +84,12 @@ def measure(
         raise ValueError(f"steps must be >= 1, got {steps}")
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("the model is on meta: measure needs real weights (build it on cpu)")
+    check_autocast_dtype(autocast)
     loss_fn = loss_fn or default_loss
     args, kwargs = split_inputs(example_inputs)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    cuda = device.type == "cuda"
+    amp = (lambda: torch.autocast(device.type, dtype=autocast)) if autocast is not None else nullcontext
     opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
 
     # inputs that require grad get theirs anew each step, as parameters do
@@ -87,7 +97,8 @@ def measure(
     grad_inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
 
     def step() -> float:
-        loss = loss_fn(model(*args, **kwargs))
+        with amp():
+            loss = loss_fn(model(*args, **kwargs))
         loss.backward()
         value = float(loss.detach())
         del loss
@@ -100,18 +111,20 @@ def measure(
             t.grad = None
         return value
 
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    cuda = device.type == "cuda"
     step()  # creates optimizer state: later steps are steady-state
     times = []
     for _ in range(steps):
         if cuda:
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        loss = step()
-        if cuda:
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - t0) * 1e3)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            loss = step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            loss = step()
+            times.append((time.perf_counter() - t0) * 1e3)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
         step()

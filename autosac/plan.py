@@ -86,6 +86,7 @@ class Plan:
     versions: dict[str, str]
     input_shapes: list[list] = field(default_factory=list)  # [[where, shape, dtype]] it was made for
     device: str = ""  # the device class whose kernels it names: "cuda" or "cpu"
+    autocast: str = ""  # the step runs under torch.autocast in this dtype ("bfloat16"), or ""
     format: int = PLAN_FORMAT
 
     @property

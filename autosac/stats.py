@@ -193,6 +193,7 @@ class ModelStats:
     # FSDP2 mixed precision (profile's param_dtype): {"param_dtype", "reduce_dtype", "master_ratio",
     # "reduce_ratio"}; the trace then ran in param_dtype, and the ratios scale its parameter bytes
     mixed_precision: dict = field(default_factory=dict)
+    autocast: str = ""  # the dtype the forward was traced under torch.autocast in ("bfloat16"), or ""
     checkpoint_state_bytes: int = 0  # what each checkpoint call keeps besides inputs: the saved RNG state
     format: int = STATS_FORMAT
 

@@ -12,8 +12,9 @@ from autosac.errors import PlanMismatchError
 
 
 def verify_plan_file(args) -> int:
-    """Build the model with real weights on the CPU, measure it unmodified and
-    with the plan applied, and print predicted vs measured.  Exit status 1 when
+    """Build the model with real weights (on the GPU for a CUDA plan, else the
+    CPU), measure it unmodified and with the plan applied (under the plan's
+    autocast, if any), and print predicted vs measured.  Exit status 1 when
     the measured peak exceeds the plan's budget."""
     import autosac
     from autosac.fingerprint import model_fingerprint
@@ -35,9 +36,10 @@ def verify_plan_file(args) -> int:
         )
     device = _device_for(plan, args.plan)
     model, inputs = build_from_spec(args.model, args.model_arg, args.batch, args.seq, device=device)
-    baseline = autosac.measure(copy.deepcopy(model), inputs, steps=args.steps, optimizer=plan.optimizer)
+    amp = getattr(torch, plan.autocast) if plan.autocast else None
+    baseline = autosac.measure(copy.deepcopy(model), inputs, steps=args.steps, optimizer=plan.optimizer, autocast=amp)
     autosac.apply(model, plan)
-    planned = autosac.measure(model, inputs, steps=args.steps, optimizer=plan.optimizer)
+    planned = autosac.measure(model, inputs, steps=args.steps, optimizer=plan.optimizer, autocast=amp)
     rows = [
         ("peak, no checkpointing", plan.baseline_peak_bytes, baseline.peak_bytes),
         ("peak, with the plan", plan.predicted_peak_bytes, planned.peak_bytes),

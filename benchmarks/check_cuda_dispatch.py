@@ -1,7 +1,7 @@
 """Check, outside CI, that a plan for a GPU names the ops CUDA runs: the forward
 op sequence autosac records for ``target="h100"`` (CPU fake tensors, CUDA's
 choices reproduced) against the one a CUDA build of torch records on fake CUDA
-tensors.
+tensors, in fp32 and under bfloat16 autocast (CUDA's cast policy).
 
     # in a venv with a CUDA build of torch (no GPU needed: forward only)
     python benchmarks/check_cuda_dispatch.py record-cuda /tmp/cuda_ops.json
@@ -20,10 +20,17 @@ import json
 import sys
 import warnings
 
-MODELS = (("gpt-tiny", {"dropout": 0.1}), ("llama-tiny", {}))  # fp32: the same buffers on both sides
+# (label, built-in model, config overrides, autocast): fp32 weights, so the same buffers on both sides
+MODELS = (
+    ("gpt-tiny", "gpt-tiny", {"dropout": 0.1}, False),
+    ("llama-tiny", "llama-tiny", {}, False),
+    ("gpt-tiny+autocast", "gpt-tiny", {"dropout": 0.1}, True),
+    ("llama-tiny+autocast", "llama-tiny", {}, True),
+)
 
 
 def record_cuda(path: str) -> None:
+    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -40,26 +47,34 @@ def record_cuda(path: str) -> None:
             return func(*args, **(kwargs or {}))
 
     out = {}
-    for name, extra in MODELS:
+    for label, name, extra, amp in MODELS:
         with FakeTensorMode(allow_non_fake_inputs=True):
             model, idx = build_model(name, device="cuda", batch=2, seq=64, **extra)
             rec = Record()
-            with rec:
-                model.train()(idx.to("cuda")).float().sum()
-        out[name] = rec.ops
+            # torch.autocast refuses "cuda" without a device: switch CUDA autocast on directly
+            torch.set_autocast_enabled("cuda", amp)
+            torch.set_autocast_dtype("cuda", torch.bfloat16)
+            try:
+                with rec:
+                    model.train()(idx.to("cuda")).float().sum()
+            finally:
+                torch.set_autocast_enabled("cuda", False)
+        out[label] = rec.ops
     with open(path, "w") as f:
         json.dump(out, f)
 
 
 def ours() -> dict[str, list[str]]:
+    import torch
+
     import autosac
     from autosac.models import build_model
 
     out = {}
-    for name, extra in MODELS:
+    for label, name, extra, amp in MODELS:
         model, idx = build_model(name, device="meta", batch=2, seq=64, **extra)
-        tl = autosac.profile(model, idx, target="h100").timeline
-        out[name] = [op for op, ph in zip(tl.ops, tl.phases) if ph in ("forward", "loss")]
+        tl = autosac.profile(model, idx, target="h100", autocast=torch.bfloat16 if amp else None).timeline
+        out[label] = [op for op, ph in zip(tl.ops, tl.phases) if ph in ("forward", "loss")]
     return out
 
 

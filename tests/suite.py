@@ -35,13 +35,14 @@ class Row:
     note: str = ""
 
 
-def training_step(model, inputs, loss_fn=None, seed: int = 1234):
+def training_step(model, inputs, loss_fn=None, seed: int = 1234, autocast=None):
     """One step (forward, loss, backward, AdamW step); returns loss, grads, params, buffers."""
     loss_fn = loss_fn or default_loss
     args, kwargs = split_inputs(inputs)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     torch.manual_seed(seed)
-    loss = loss_fn(model(*args, **kwargs))
+    with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+        loss = loss_fn(model(*args, **kwargs))
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     opt.step()
@@ -51,9 +52,9 @@ def training_step(model, inputs, loss_fn=None, seed: int = 1234):
     return loss.detach(), grads, params, buffers
 
 
-def assert_same_step(ref, other, inputs, loss_fn=None) -> None:
-    a = training_step(ref, inputs, loss_fn)
-    b = training_step(other, inputs, loss_fn)
+def assert_same_step(ref, other, inputs, loss_fn=None, autocast=None) -> None:
+    a = training_step(ref, inputs, loss_fn, autocast=autocast)
+    b = training_step(other, inputs, loss_fn, autocast=autocast)
     assert torch.equal(a[0], b[0]), ("loss", a[0], b[0])
     for what, x, y in zip(("grad", "param", "buffer"), a[1:], b[1:]):
         assert x.keys() == y.keys(), what
@@ -68,7 +69,7 @@ def budgets(problem) -> list[tuple[str, int]]:
 
 def check_model(
     name, build, loss_fn=None, target=A100_CPU_KERNELS, labels=("70%", "50%", "least"), expect_warning: str | None = None,
-    optimizer="sgd", tolerance: float = TOLERANCE,
+    optimizer="sgd", tolerance: float = TOLERANCE, autocast=None,
 ) -> list[Row]:
     """Plan ``build()``'s model at each budget; check every promise; return the table rows.
 
@@ -77,7 +78,7 @@ def check_model(
     containing ``expect_warning``.
     """
     model, inputs = build()
-    stats = autosac.profile(model, inputs, loss_fn=loss_fn, target=target, optimizer=optimizer)
+    stats = autosac.profile(model, inputs, loss_fn=loss_fn, target=target, optimizer=optimizer, autocast=autocast)
     problem = build_problem(stats)
     rows = []
     for label, budget in budgets(problem):
@@ -93,7 +94,7 @@ def check_model(
         autosac.apply(work, plan)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            assert_same_step(ref, work, inputs, loss_fn)
+            assert_same_step(ref, work, inputs, loss_fn, autocast)
         said = [str(w.message) for w in caught if str(w.message).startswith("autosac:")]
         assert said == ([] if expect_warning is None else [said[0]]), said
         assert expect_warning is None or expect_warning in said[0], said
@@ -101,7 +102,8 @@ def check_model(
             warnings.simplefilter("ignore")
             fresh, inputs = build()
             autosac.apply(fresh, plan)
-            measured = autosac.measure(fresh, inputs, loss_fn=loss_fn, steps=1, optimizer=optimizer).peak_bytes
+            measured = autosac.measure(fresh, inputs, loss_fn=loss_fn, steps=1, optimizer=optimizer,
+                                       autocast=autocast).peak_bytes
         rows.append(Row(name, label, plan.budget_bytes, plan.predicted_peak_bytes, measured, True,
                         f"{len(plan.decisions)} modules"))
         assert measured <= plan.budget_bytes, (name, label, measured, plan.budget_bytes)

@@ -239,7 +239,7 @@ def _make_plan(stats: ModelStats, problem: Problem, choice: dict[int, int], budg
         baseline_step_ms=stats.step_ms, step_ms=stats.step_ms + recompute,
         decisions={f: d.ratio for f, d in details.items()}, details=details, solver=info,
         versions=dict(stats.versions), input_shapes=[list(x) for x in stats.input_shapes],
-        device=stats.target.get("device_type", ""),
+        device=stats.target.get("device_type", ""), autocast=stats.autocast,
     )
 
 

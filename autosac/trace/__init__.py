@@ -15,6 +15,7 @@ from autosac.marks import has_applied_plan
 from autosac.optim import OptimizerSpec, optimizer_name
 from autosac.stats import ModelStats
 from autosac.trace.aggregate import aggregate
+from autosac.trace.autocast import check_autocast_dtype
 from autosac.trace.costs import CostModel
 from autosac.trace.step import trace_step
 from autosac.version import __version__
@@ -31,6 +32,7 @@ def profile(
     world_size: int = 1,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    autocast: torch.dtype | None = None,
 ) -> ModelStats:
     """Trace one training step (forward, loss, backward, optimizer step) under
     FakeTensorMode and return its memory, runtime and recompute statistics.
@@ -53,6 +55,11 @@ def profile(
             floating inputs) in ``param_dtype``, gathered in it, and gradients
             reduced in ``reduce_dtype`` (default: ``param_dtype``, as FSDP2's);
             shards and optimizer state stay in the parameters' own dtype.
+        autocast: ``torch.bfloat16`` or ``torch.float16``: the forward and the
+            loss are traced under ``torch.autocast`` in that dtype with the
+            target device's cast policy (CUDA's for a GPU target, see
+            :mod:`autosac.trace.autocast`); train the same way, with
+            ``torch.autocast(device_type, dtype)`` around forward and loss.
 
     Returns:
         ModelStats: plain, JSON-serialisable statistics.
@@ -61,7 +68,8 @@ def profile(
         NothingToCheckpointError: nothing requires grad / the loss is not differentiable.
         TraceError: the forward raised (the message names the module) or inputs don't fit.
         ValueError: an unknown target or optimizer, ``world_size < 1``, a
-            ``param_dtype`` without ``world_size > 1`` or not floating, a model
+            ``param_dtype`` without ``world_size > 1`` or not floating, an
+            ``autocast`` other than bfloat16/float16, a model
             that already has a plan applied, or one that checkpoints by itself
             (transformers' ``gradient_checkpointing_enable()``).
         TypeError: ``model`` is not an ``nn.Module``.
@@ -84,10 +92,11 @@ def profile(
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     mixed = _mixed_precision(model, world_size, param_dtype, reduce_dtype)
+    check_autocast_dtype(autocast)
     cost = CostModel(spec)
     try:
         step = trace_step(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, cost_model=cost,
-                          param_dtype=param_dtype)
+                          param_dtype=param_dtype, autocast=autocast)
     finally:
         cost.finish()
     if step.recording.unknown_ops:
@@ -108,6 +117,7 @@ def profile(
     )
     stats.input_shapes = input_signature(*split_inputs(example_inputs))
     stats.mixed_precision = mixed
+    stats.autocast = str(autocast).removeprefix("torch.") if autocast is not None else ""
     # preserve_rng_state keeps the CPU generator state (and a device's) per checkpoint call
     stats.checkpoint_state_bytes = torch.get_rng_state().numel() + (16 if not spec.measured else 0)
     return stats

@@ -9,7 +9,7 @@ forward, loss, backward and the optimizer step run under a :class:`StepRecorder`
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +23,7 @@ from autosac.integrations import training_kwargs
 from autosac.optim import OptimizerSpec, default_loss, make_optimizer
 from autosac.pystate import capture
 from autosac.stats import ParamStats
+from autosac.trace.autocast import target_autocast
 from autosac.trace.costs import CostModel
 from autosac.trace.dispatch import TargetDispatch
 from autosac.trace.recorder import SMALL_NUMEL, Recording, StepRecorder
@@ -80,6 +81,7 @@ def trace_step(
     optimizer: OptimizerSpec = "adamw",
     cost_model: CostModel | None = None,
     param_dtype: torch.dtype | None = None,
+    autocast: torch.dtype | None = None,
 ) -> TracedStep:
     """Trace forward, loss, backward and optimizer step; return the raw recording.
 
@@ -105,9 +107,9 @@ def trace_step(
         with _fake_tensor_log_quiet(), fake_parameters(model, mode, param_dtype), mode:
             # FSDP2's mixed precision casts floating inputs to param_dtype too
             args, kwargs = tree_map(lambda x: _trace_input(x, param_dtype), (real_args, real_kwargs))
-            step = _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode)
+            step = _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast)
             if before.grew():
-                step = _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode)
+                step = _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast)
     finally:
         before.install()
     return step
@@ -127,9 +129,16 @@ def _fake_tensor_log_quiet():
         logger.disabled = before
 
 
-def _target_dispatch(spec):
-    """Dropout and attention as the target runs them (:mod:`autosac.trace.dispatch`)."""
-    return TargetDispatch(spec.capability) if spec.device_type == "cuda" else nullcontext()
+@contextmanager
+def _as_on_target(spec, autocast: torch.dtype | None):
+    """Dropout, attention (:mod:`autosac.trace.dispatch`) and autocast's casts
+    (:mod:`autosac.trace.autocast`) as the target runs them."""
+    with target_autocast(spec.device_type, autocast) as cast:
+        if spec.device_type != "cuda":
+            yield
+            return
+        with TargetDispatch(spec.capability, cast if autocast is not None else None):
+            yield
 
 
 def _trace_input(x, dtype: torch.dtype | None = None):
@@ -143,7 +152,7 @@ def _trace_input(x, dtype: torch.dtype | None = None):
     return _fake_like(x, x.requires_grad, dtype)
 
 
-def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode) -> TracedStep:
+def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast=None) -> TracedStep:
     """One recorded step on a model whose parameters are already fake."""
     names = {id(m): fqn for fqn, m in model.named_modules()}
     recorder = StepRecorder(cost_model)
@@ -160,7 +169,7 @@ def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode) -> Tr
         hooks.append(mod.register_forward_pre_hook(_pre_hook(recorder, fqn), with_kwargs=True))
         hooks.append(mod.register_forward_hook(_post_hook(recorder, fqn)))
     try:
-        with _target_dispatch(cost_model.spec):
+        with _as_on_target(cost_model.spec, autocast):  # the user's forward and loss run under autocast
             loss = _forward_and_loss(model, args, kwargs, loss_fn, recorder)
         _backward_and_update(model, loss, opt, recorder)
     finally:

@@ -1,0 +1,146 @@
+"""Autocast in the trace: a GPU target's casts are CUDA autocast's, call for
+call; plans made under autocast keep training steps bitwise and the budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from suite import A100_CPU_KERNELS, check_model, seeded
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import autosac
+from autosac.models import build_model
+from autosac.trace.autocast import CudaAutocast
+
+BF16, F32 = torch.bfloat16, torch.float32
+pytestmark = pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
+
+
+class OpLog(TorchDispatchMode):
+    """(op, shape of its first input, dtype of its first output) for every op run."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace != "prim":
+            first = out[0] if isinstance(out, (tuple, list)) and out else out
+            shape = tuple(args[0].shape) if args and isinstance(args[0], torch.Tensor) else None
+            self.ops.append((func.overloadpacket.__name__, shape, getattr(first, "dtype", None)))
+        return out
+
+
+def _t(device, *shape, dtype=F32):
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
+# each case: a function of a tensor factory t(*shape, dtype=...) that calls the op(s)
+CASES = {
+    "linear fp32": lambda t: F.linear(t(4, 8), t(16, 8), t(16)),
+    "matmul fp32": lambda t: t(2, 4, 8) @ t(8, 3),
+    "bmm mixed": lambda t: torch.bmm(t(2, 4, 8, dtype=BF16), t(2, 8, 3)),
+    "einsum": lambda t: torch.einsum("bij,bjk->bik", t(2, 4, 8), t(2, 8, 3)),
+    "conv2d": lambda t: F.conv2d(t(1, 3, 8, 8), t(4, 3, 3, 3)),
+    "softmax bf16": lambda t: F.softmax(t(4, 8, dtype=BF16), -1),
+    "log_softmax bf16": lambda t: F.log_softmax(t(4, 8, dtype=BF16), -1),
+    "layer_norm bf16": lambda t: F.layer_norm(t(4, 8, dtype=BF16), (8,), t(8), t(8)),
+    "rms_norm bf16": lambda t: F.rms_norm(t(4, 8, dtype=BF16), (8,), t(8)),
+    "exp bf16": lambda t: t(4, 8, dtype=BF16).exp(),
+    "pow bf16": lambda t: t(4, 8, dtype=BF16).pow(2),
+    "sum bf16": lambda t: t(4, 8, dtype=BF16).sum(),
+    "cumsum bf16": lambda t: t(4, 8, dtype=BF16).cumsum(-1),
+    "gelu bf16": lambda t: F.gelu(t(4, 8, dtype=BF16)),
+    "cat mixed": lambda t: torch.cat([t(4, 8, dtype=BF16), t(4, 8)]),
+    "addcmul mixed": lambda t: torch.addcmul(t(4, 8), t(4, 8, dtype=BF16), t(4, 8)),
+    "mse_loss bf16": lambda t: F.mse_loss(t(4, 8, dtype=BF16), t(4, 8, dtype=BF16)),
+    "cross_entropy bf16": lambda t: F.cross_entropy(t(4, 8, dtype=BF16), t(4, dtype=torch.long)),
+}
+
+
+def _cuda_reference(case):
+    """The ops CUDA's own autocast runs (fake CUDA tensors: no GPU needed)."""
+    with FakeTensorMode():
+        enabled = torch.is_autocast_enabled("cuda")
+        torch.set_autocast_enabled("cuda", True)
+        torch.set_autocast_dtype("cuda", BF16)
+        try:
+            with torch.no_grad(), OpLog() as log:
+                case(lambda *s, dtype=F32: _t("cuda", *s, dtype=dtype))
+        finally:
+            torch.set_autocast_enabled("cuda", enabled)
+    return log.ops
+
+
+def _emulated(case):
+    with FakeTensorMode(), torch.no_grad(), CudaAutocast(BF16), OpLog() as log:
+        case(lambda *s, dtype=F32: _t("cpu", *s, dtype=dtype))
+    return log.ops
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_cuda_casts_are_cuda_autocasts_op_for_op(name):
+    assert _emulated(CASES[name]) == _cuda_reference(CASES[name])
+
+
+def test_the_cuda_policy_is_not_the_cpus():
+    """The cases above tell the two policies apart (else they would prove little)."""
+    differ = []
+    for name, case in CASES.items():
+        with FakeTensorMode(), torch.no_grad(), torch.autocast("cpu", dtype=BF16), OpLog() as log:
+            case(lambda *s, dtype=F32: _t("cpu", *s, dtype=dtype))
+        differ += [name] if log.ops != _cuda_reference(case) else []
+    assert {"softmax bf16", "layer_norm bf16", "exp bf16", "sum bf16", "einsum"} <= set(differ), differ
+
+
+def test_the_cpu_policy_is_back_after_the_trace():
+    x = torch.randn(4, 8, dtype=BF16)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with CudaAutocast(BF16):
+            assert F.softmax(x, -1).dtype == F32  # CUDA: softmax in float32
+    with torch.autocast("cpu", dtype=BF16):
+        assert F.softmax(x, -1).dtype == BF16  # the CPU's own policy again
+        assert F.linear(torch.randn(2, 8), torch.randn(3, 8)).dtype == BF16
+
+
+def test_a_weight_is_cast_once_per_autocast_region():
+    with FakeTensorMode():
+        w = torch.nn.Parameter(torch.randn(8, 8))
+        x = torch.randn(4, 8)
+        with CudaAutocast(BF16), OpLog() as log:
+            F.linear(F.linear(x, w), w)
+        assert [op for op, *_ in log.ops].count("_to_copy") == 2  # x once, w once (cached)
+        with CudaAutocast(BF16), OpLog() as log:
+            F.linear(x, w)
+        assert [op for op, *_ in log.ops].count("_to_copy") == 2  # a new region casts w again
+
+
+def test_a_gpu_plan_under_autocast_traces_cuda_casts_and_kernels():
+    model, idx = build_model("llama-tiny", device="meta", batch=8, seq=256)
+    stats = autosac.profile(model, idx, target="h100", autocast=BF16, optimizer="sgd")
+    ops = [op for op, ph in zip(stats.timeline.ops, stats.timeline.phases) if ph in ("forward", "loss")]
+    assert "_scaled_dot_product_cudnn_attention" in ops  # bf16 attention on an H100
+    assert stats.autocast == "bfloat16" and stats.param_cast_bytes > 0
+    plan = autosac.solve(stats, "60%")
+    assert plan.autocast == "bfloat16" and plan.device == "cuda"
+    assert autosac.Plan.from_json(plan.to_json()).autocast == "bfloat16"
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+def test_plans_made_under_autocast_keep_the_step_and_the_budget(name):
+    build = seeded(lambda: build_model(name, device="cpu", batch=2, seq=64))
+    check_model(name, build, target=A100_CPU_KERNELS, labels=("50%",), autocast=BF16)
+
+
+def test_bad_autocast_dtypes_are_refused_before_anything_runs():
+    model, idx = build_model("gpt-tiny", device="meta", batch=2, seq=32)
+    with pytest.raises(ValueError, match="autocast must be torch.bfloat16 or torch.float16"):
+        autosac.profile(model, idx, autocast=torch.float32)
+    cpu_model, cpu_idx = build_model("gpt-tiny", device="cpu", batch=2, seq=32)
+    before = {n: p.clone() for n, p in cpu_model.named_parameters()}
+    with pytest.raises(ValueError, match="autocast must be"):
+        autosac.measure(cpu_model, cpu_idx, autocast="bf16")
+    assert all(torch.equal(before[n], p) for n, p in cpu_model.named_parameters())
