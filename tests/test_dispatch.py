@@ -21,23 +21,28 @@ CPU_ONLY = ("bernoulli_", "_for_cpu", "mkldnn")
 
 
 @pytest.mark.parametrize(
-    "capability,dtype,head,mask,dropout,expect",
+    "capability,dtype,head,mask,dropout,gqa,expect",
     [
-        ((9, 0), torch.bfloat16, 128, False, 0.0, "cudnn"),  # H100: cuDNN first for half precision
-        ((9, 0), torch.bfloat16, 128, True, 0.0, "cudnn"),  # ... with a mask too
-        ((9, 0), torch.bfloat16, 128, False, 0.1, "flash"),  # dropout: flash
-        ((9, 0), torch.float32, 64, False, 0.0, "efficient"),  # no fused half kernel for fp32
-        ((8, 0), torch.float16, 64, False, 0.0, "flash"),  # A100
-        ((8, 0), torch.bfloat16, 64, True, 0.0, "efficient"),  # flash takes no mask
-        ((8, 0), torch.bfloat16, 320, False, 0.0, "efficient"),  # flash: head dim <= 256
-        ((8, 9), torch.bfloat16, 208, False, 0.0, "efficient"),  # L4: no flash backward for (192, 224]
-        ((7, 5), torch.bfloat16, 64, False, 0.0, "math"),  # T4: no bf16 kernels
-        ((7, 5), torch.float16, 64, False, 0.0, "efficient"),
-        ((8, 0), torch.float64, 64, False, 0.0, "math"),
+        # H100 (seen there with PyTorch 2.11, benchmarks/results/gpu_verify.md): cuDNN for half precision
+        ((9, 0), torch.bfloat16, 128, False, 0.0, False, "cudnn"),
+        ((9, 0), torch.bfloat16, 128, True, 0.0, False, "cudnn"),  # ... with a mask
+        ((9, 0), torch.float16, 256, False, 0.1, False, "cudnn"),  # ... with dropout
+        ((9, 0), torch.bfloat16, 64, True, 0.1, True, "cudnn"),  # ... with grouped key/value heads
+        ((9, 0), torch.float32, 64, False, 0.0, False, "efficient"),  # no fused half kernel for fp32
+        ((9, 0), torch.float32, 64, False, 0.0, True, "math"),  # memory-efficient takes no grouped heads
+        ((8, 0), torch.float16, 64, False, 0.0, False, "flash"),  # A100
+        ((8, 0), torch.bfloat16, 64, False, 0.0, True, "flash"),  # flash takes grouped heads
+        ((8, 0), torch.bfloat16, 64, True, 0.0, False, "efficient"),  # flash takes no mask
+        ((8, 0), torch.bfloat16, 64, True, 0.0, True, "math"),  # ... and efficient no grouped heads
+        ((8, 0), torch.bfloat16, 320, False, 0.0, False, "efficient"),  # flash: head dim <= 256
+        ((8, 9), torch.bfloat16, 208, False, 0.0, False, "efficient"),  # L4: no flash backward for (192, 224]
+        ((7, 5), torch.bfloat16, 64, False, 0.0, False, "math"),  # T4: no bf16 kernels
+        ((7, 5), torch.float16, 64, False, 0.0, False, "efficient"),
+        ((8, 0), torch.float64, 64, False, 0.0, False, "math"),
     ],
 )
-def test_sdpa_backend_follows_the_cuda_selection_rules(capability, dtype, head, mask, dropout, expect):
-    assert cuda_sdpa_backend(capability, dtype, head, head, mask, dropout, False, True) == expect
+def test_sdpa_backend_follows_the_cuda_selection_rules(capability, dtype, head, mask, dropout, gqa, expect):
+    assert cuda_sdpa_backend(capability, dtype, head, head, mask, dropout, gqa, True) == expect
 
 
 def _forward_ops(stats) -> list[str]:

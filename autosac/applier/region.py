@@ -87,7 +87,10 @@ class RegionCall:
         self.state = state
         self.flow: DataflowTracker | None = DataflowTracker()
         self.n = 0
-        self.last: tuple | None = None
+        self.last: tuple | None = None  # the call forward_op ran that SAC has not asked about yet
+        self.pending: tuple | None = None  # SAC's answer for the call about to run, where it asks first
+        self.answers: dict = defaultdict(list)  # per op, SAC's answers in call order ...
+        self.asked_again: dict = defaultdict(int)  # ... and how many of them a re-run asked for again
         self.differs: str | None = None  # how the call first departed from the plan
         self.kind = ""  # "ops" or "flow": which way it departed
         self.unsafe: str | None = None  # a cached output written after a re-run op read it
@@ -96,13 +99,16 @@ class RegionCall:
         self.rerun: dict[str, list] = defaultdict(list)
         self.cached: set[int] = set()  # storages whose latest value the checkpoint caches
         self.read_cached: set[int] = set()  # ... and that a re-run call has read since
-        self.reads: list[int] = []  # storages the last call read
-        self.writes: list[int] = []  # ... and wrote in place
         # storages made outside the region that it writes in place: id -> their
         # contents when the region first wrote them (= at the region's start)
         self.outside: dict[int, torch.UntypedStorage] = {}
 
     # --------------------------------------------------------- forward
+    # SAC asks its policy about each op call: after running it (torch >= 2.13,
+    # the context carries ``op_output``) or before (earlier versions).  Either
+    # way the decision rests on what is known before the call runs (its index,
+    # name and inputs) and the bookkeeping on its outputs is done once it ran.
+
     def forward_op(self, func, args, kwargs):
         """Beneath SAC's caching mode: note reads and outside writes, run the op."""
         if is_sac_ignored(func):
@@ -116,20 +122,43 @@ class RegionCall:
                                "after an op the replay re-runs had read it")
             if id(st) not in self.outside and not self.flow.produced_here(value):
                 self.outside[id(st)] = st.clone()
-        self.reads = [id(a.untyped_storage()) for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        self.writes = [id(t.untyped_storage()) for t in written]
+        reads = [id(a.untyped_storage()) for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        writes = [id(t.untyped_storage()) for t in written]
         out = func(*args, **kwargs)
         self.flow.record(self.n, func, args, kwargs, out)
-        self.last = (self.n, func, deps)
+        pending, self.pending = self.pending, None
+        if pending is not None and pending[0] == self.n and pending[1] is func:  # SAC asked before the call
+            self._note_outputs(self.n, func, pending[2], out, reads, writes)
+        else:
+            self.last = (self.n, func, deps, out, reads, writes)
         self.n += 1
         return out
 
     def policy_fn(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
-        """SAC's question about the call :meth:`forward_op` just ran."""
+        """SAC's question about an op call: the one :meth:`forward_op` just
+        ran, or, where SAC asks first, the one it is about to run (and, in
+        torch < 2.13, again when backward re-runs it: the same answer)."""
+        if ctx.is_recompute:
+            k = self.asked_again[func]
+            self.asked_again[func] = k + 1
+            answers = self.answers.get(func, ())
+            return answers[k] if k < len(answers) else CheckpointPolicy.PREFER_RECOMPUTE
+        if not hasattr(ctx, "op_output"):  # asked before the call runs
+            decision = self._decide(self.n, func, tuple(self.flow.reads(args, kwargs)))
+            self.pending = (self.n, func, decision)
+            return decision
         if self.last is None or self.last[1] is not func:  # cannot happen: keep the region correct anyway
             self._depart("ops", "ran op calls that could not be followed")
+            self.answers[func].append(CheckpointPolicy.PREFER_RECOMPUTE)
             return CheckpointPolicy.PREFER_RECOMPUTE
-        i, _, deps = self.last
+        i, _, deps, out, reads, writes = self.last
+        self.last = None
+        decision = self._decide(i, func, deps)
+        self._note_outputs(i, func, decision, out, reads, writes)
+        return decision
+
+    def _decide(self, i: int, func, deps: tuple) -> CheckpointPolicy:
+        """Save or recompute op call ``i``; notes where the call departs from the trace."""
         name = func.overloadpacket.__name__
         calls = self.policy.calls
         if self.differs is None:
@@ -139,19 +168,25 @@ class RegionCall:
                 self._depart("ops", f"ran {name} as op call #{i} where the trace ran {calls[i][0]}")
             elif calls[i][1] != deps:
                 self._depart("flow", f"ran op call #{i} ({name}) on other results than in the trace")
-        outs = [id(t.untyped_storage()) for t in tree_leaves(ctx.op_output) if isinstance(t, torch.Tensor)]
-        if self.differs is None and i in self.policy.save:
+        decision = CheckpointPolicy.MUST_SAVE if self.differs is None and i in self.policy.save \
+            else CheckpointPolicy.PREFER_RECOMPUTE
+        self.answers[func].append(decision)
+        return decision
+
+    def _note_outputs(self, i: int, func, decision, out, reads: list[int], writes: list[int]) -> None:
+        """What the replay needs to know of call ``i`` once it ran."""
+        outs = [id(t.untyped_storage()) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if decision == CheckpointPolicy.MUST_SAVE:
             self.cached.update(outs)
             self.read_cached.difference_update(outs)
-            return CheckpointPolicy.MUST_SAVE
+            return
         skip = self.differs is None and i in self.policy.skip
         if not skip:
-            self.read_cached.update(r for r in self.reads if r in self.cached)
-        if self.unsafe is None and any(w in self.cached for w in self.writes):
+            self.read_cached.update(r for r in reads if r in self.cached)
+        if self.unsafe is None and any(w in self.cached for w in writes):
             # the cached value already holds this write: the replay would write it twice
-            self.unsafe = f"{name} (op call #{i}), re-run in the replay, writes a cached output in place"
-        self.rerun[name].append(tree_map(_shape_of, ctx.op_output) if skip else None)
-        return CheckpointPolicy.PREFER_RECOMPUTE
+            self.unsafe = f"{func.overloadpacket.__name__} (op call #{i}), re-run in the replay, writes a cached output in place"
+        self.rerun[func.overloadpacket.__name__].append(tree_map(_shape_of, out) if skip else None)
 
     def _depart(self, kind: str, what: str) -> None:
         self.differs, self.kind = what, kind
@@ -161,6 +196,7 @@ class RegionCall:
         if self.differs is None and self.n < len(self.policy.calls):
             self._depart("ops", f"ran {self.n} op calls where the trace ran {len(self.policy.calls)}")
         self.flow = None  # its weak references are no longer needed
+        self.last = self.pending = None
         self.cached = self.read_cached = set()
         if self.differs is None or self.state.grew():
             return  # matched, or a first call that built lazy state (later calls match the steady-state trace)

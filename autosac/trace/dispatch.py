@@ -17,10 +17,13 @@ for a CUDA target, calls the op the target would: the fused kernels' meta
 implementations give their outputs and saved tensors (flash attention keeps
 the logsumexp, not the score matrix) on CPU fake tensors.
 
-The SDPA rules (:func:`cuda_sdpa_backend`) follow PyTorch 2.13's
-``sdp_utils.cpp`` for dense inputs: cuDNN first on sm90/sm100 (when cuDNN is
-preferred, as on PyTorch's CUDA 12.8+ builds), then flash, then
-memory-efficient, then math.
+The SDPA rules (:func:`cuda_sdpa_backend`) follow PyTorch's ``sdp_utils.cpp``
+for dense inputs: cuDNN first on sm90/sm100 for half precision (masks,
+dropout and grouped key/value heads included), then flash, then
+memory-efficient (not for grouped heads), then math.  On an H100 with PyTorch
+2.11 they agree with the backend PyTorch picked in all 108 combinations of
+dtype, head size, mask, dropout and grouped heads that
+``benchmarks/gpu_verify.py`` tries.
 """
 
 from __future__ import annotations
@@ -56,18 +59,17 @@ def cuda_sdpa_backend(
     """
     sm = capability[0] * 10 + capability[1]
     same_dims = head_dim == value_dim
-    if capability in ((9, 0), (10, 0)) and dtype in _HALF and same_dims and head_dim <= 256 \
-            and head_dim % 8 == 0 and dropout_p == 0.0 and not gqa:
-        return "cudnn"
+    if capability in ((9, 0), (10, 0)) and dtype in _HALF and same_dims and head_dim <= 256 and head_dim % 8 == 0:
+        return "cudnn"  # masks, dropout and grouped heads included (seen on an H100)
     if 80 <= sm <= 121 and dtype in _HALF and not has_mask and same_dims and head_dim <= 256 and head_dim % 8 == 0:
         # sm86/89/120: no flash backward for head dims in (192, 224], nor above 224 with dropout
         consumer = sm in (86, 89, 120, 121)
         if not (training and consumer and (192 < head_dim <= 224 or (head_dim > 224 and dropout_p > 0))):
             return "flash"
     align = 8 if dtype in _HALF else 4
-    if 50 <= sm <= 121 and (dtype != torch.bfloat16 or sm >= 80) and dtype != torch.float64 \
+    if 50 <= sm <= 121 and (dtype != torch.bfloat16 or sm >= 80) and dtype != torch.float64 and not gqa \
             and head_dim % align == 0 and value_dim % align == 0:
-        return "efficient"
+        return "efficient"  # takes no grouped key/value heads: those fall to math
     return "math"
 
 
@@ -81,9 +83,10 @@ class TargetDispatch(TorchFunctionMode):
         ...     y = F.dropout(torch.randn(4, 4), 0.1)   # aten.native_dropout
     """
 
-    def __init__(self, capability: tuple[int, int]):
+    def __init__(self, capability: tuple[int, int], autocast=None):
         super().__init__()
         self.capability = tuple(capability)
+        self.autocast = autocast  # a CudaAutocast the forward runs under, if any
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -95,6 +98,10 @@ class TargetDispatch(TorchFunctionMode):
 
     def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
               enable_gqa=False):
+        if self.autocast is not None and torch.is_autocast_enabled("cpu"):
+            # CUDA autocast casts the inputs before the backend is chosen (by their dtype)
+            (query, key, value, attn_mask), _ = self.autocast.cast_args(
+                aten.scaled_dot_product_attention.default, (query, key, value, attn_mask), {})
         gqa = bool(enable_gqa) and query.size(-3) != key.size(-3)
         training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         backend = cuda_sdpa_backend(self.capability, query.dtype, query.size(-1), value.size(-1),
@@ -110,9 +117,6 @@ class TargetDispatch(TorchFunctionMode):
             return aten._scaled_dot_product_flash_attention(
                 query, key, value, dropout_p, is_causal, False, scale=scale)[0]
         if backend == "efficient":
-            if gqa:  # the kernel takes as many key/value heads as query heads
-                groups = query.size(-3) // key.size(-3)
-                key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
             if attn_mask is not None:
                 attn_mask = _efficient_mask(attn_mask, query, key)
             return aten._scaled_dot_product_efficient_attention(
