@@ -128,12 +128,36 @@ def transient_bytes(func, args) -> int:
         copies = sum(tensor_bytes(t) for t in (grad_out, inp) if isinstance(t, torch.Tensor) and not t.is_contiguous())
         rows = inp.numel() // max(1, inp.shape[-1]) if isinstance(inp, torch.Tensor) and inp.dim() else 0
         return copies + 4 * rows
+    if name in _FUSED_ATTENTION_BACKWARD and len(args) > 2:
+        return _attention_backward_scratch(name, args[1], args[2])
     if name.startswith("_foreach_") and any(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args):
         # the CPU fallback wraps the scalar in a double tensor and casts it per tensor
         return 12
     if name not in _MATMULS:
         return 0
     return sum(tensor_bytes(t) for t in args if isinstance(t, torch.Tensor) and not _blas_ready(t))
+
+
+# CUDA's fused attention backward kernels (a CUDA target's trace runs them):
+# fp32 accumulators of dQ per query element (flash: two), and, where key and
+# value have fewer heads than the query, dK and dV expanded to the query's
+# heads before they are summed back.  Measured on an H100 (PyTorch 2.11,
+# benchmarks/gpu_sdpa_memory.py): cuDNN and memory-efficient 2x the query's
+# bf16 bytes, flash 4x; with grouped heads 4x and 6x.
+_FUSED_ATTENTION_BACKWARD = {
+    "_scaled_dot_product_cudnn_attention_backward": 4,
+    "_scaled_dot_product_efficient_attention_backward": 4,
+    "_scaled_dot_product_flash_attention_backward": 8,
+}
+
+
+def _attention_backward_scratch(name: str, query, key) -> int:
+    if not isinstance(query, torch.Tensor) or not isinstance(key, torch.Tensor) or query.dim() < 3:
+        return 0
+    scratch = query.numel() * _FUSED_ATTENTION_BACKWARD[name]
+    if key.size(-3) != query.size(-3):
+        scratch += 2 * query.numel() * query.element_size()
+    return scratch
 
 
 def _compute_dtype(args) -> torch.dtype:
