@@ -95,6 +95,17 @@ def test_cli_plan_prints_decisions_and_writes_json(tmp_path, capsys):
         assert label in out
 
 
+def test_cli_plan_under_autocast_says_so_in_the_plan(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    common = ["--model", "llama-tiny", "--batch", "8", "--seq", "64", "--optimizer", "none"]
+    assert main(["plan", *common, "--budget", "80%", "--json", str(path)]) == 0
+    fp32 = Plan.load(path)
+    assert main(["plan", *common, "--autocast", "bf16", "--budget", "80%", "--json", str(path)]) == 0
+    bf16 = Plan.load(path)
+    assert (fp32.autocast, bf16.autocast) == ("", "bfloat16")
+    assert bf16.baseline_peak_bytes != fp32.baseline_peak_bytes  # traced in other dtypes
+
+
 def test_cli_sweep_reuses_one_profile(capsys):
     code = main(["sweep", "--model", "seed-transformer", "--model-arg", "n_layer=2", "--seq", "256",
                  "--budgets", "95%,85%,75%,1KiB"])
@@ -120,6 +131,7 @@ def test_cli_sweep_reuses_one_profile(capsys):
         (["plan", "--budget", "50%", "--batch", "-3"], "is not positive"),
         (["plan", "--budget", "90%", "--model", "gpt-tiny", "--json", "/"], "IsADirectoryError|Errno"),
         (["plan", "--budget", "90%", "--model", "gpt-tiny", "--param-dtype", "bf16"], "needs world_size > 1"),
+        (["plan", "--budget", "90%", "--model", "gpt-tiny", "--autocast", "fp32"], "invalid choice: 'fp32'"),
     ],
 )
 def test_cli_user_mistakes_are_one_line(argv, match):
