@@ -19,9 +19,24 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from autosac.opkinds import is_view_op, written_tensors
+
+
+def tensors_in(*trees) -> list[torch.Tensor]:
+    """The tensors in op arguments or outputs: tensors, and lists, tuples and
+    dicts of them (all a dispatched op takes or returns); faster than pytree."""
+    out: list[torch.Tensor] = []
+    todo = list(trees)
+    while todo:
+        x = todo.pop()
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+    return out
 
 
 def _storage(t: torch.Tensor):
@@ -49,17 +64,17 @@ class DataflowTracker:
         self._flow.pop(key, None)
         self._refs.pop(key, None)
 
-    def reads(self, args, kwargs) -> list[int]:
-        """Sorted calls whose results a call with these arguments reads."""
+    def reads(self, args, kwargs, storages: list | None = None) -> list[int]:
+        """Sorted calls whose results a call with these arguments reads
+        (``storages``: their tensors' storages, if the caller has them)."""
         deps: set[int] = set()
-        for a in tree_leaves((args, kwargs)):
-            if isinstance(a, torch.Tensor):
-                st = _storage(a)
-                entry = self._flow.get(id(st)) if st is not None else None
-                if entry is not None:
-                    if entry[0] is not None:
-                        deps.add(entry[0])
-                    deps.update(entry[1])
+        flow = self._flow
+        for st in storages if storages is not None else arg_storages(args, kwargs):
+            entry = flow.get(id(st))
+            if entry is not None:
+                if entry[0] is not None:
+                    deps.add(entry[0])
+                deps.update(entry[1])
         return sorted(deps)
 
     def produced_here(self, t: torch.Tensor) -> bool:
@@ -68,26 +83,25 @@ class DataflowTracker:
         entry = self._flow.get(id(st)) if st is not None else None
         return entry is not None and entry[0] is not None
 
-    def record(self, idx: int, func, args, kwargs, out) -> None:
-        """Note what call ``idx`` produced and wrote."""
+    def record(self, idx: int, func, args, kwargs, out, storages: list | None = None) -> None:
+        """Note what call ``idx`` produced and wrote (``storages``: as in :meth:`reads`)."""
         if is_view_op(func):
             return
-        ins = set()
-        for a in tree_leaves((args, kwargs)):
-            if isinstance(a, torch.Tensor):
-                st = _storage(a)
-                if st is not None:
-                    ins.add(id(st))
+        ins = {id(st) for st in (storages if storages is not None else arg_storages(args, kwargs))}
         for t in written_tensors(func, args, kwargs):
             st = _storage(t)
             if st is not None:
                 key = self._key(st)
                 self._flow.setdefault(key, (None, []))[1].append(idx)
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                st = _storage(t)
-                if st is not None and id(st) not in ins and id(st) not in self._flow:
-                    self._flow[self._key(st)] = (idx, [])
+        for t in tensors_in(out):
+            st = _storage(t)
+            if st is not None and id(st) not in ins and id(st) not in self._flow:
+                self._flow[self._key(st)] = (idx, [])
+
+
+def arg_storages(args, kwargs) -> list:
+    """The storages of a call's tensor arguments (tensors without one left out)."""
+    return [st for st in map(_storage, tensors_in(args, kwargs)) if st is not None]
 
 
 def local_calls(ops: list[str], inputs: list[list[int]], window: tuple[int, int], ignored) -> tuple[list[int], list]:

@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from autosac.dataflow import DataflowTracker
+from autosac.dataflow import DataflowTracker, arg_storages, tensors_in
 from autosac.opkinds import is_random_op, is_sac_ignored, is_view_op, writes_input, written_tensors
 from autosac.plan import Decision
 from autosac.pystate import State, capture
@@ -113,7 +113,8 @@ class RegionCall:
         """Beneath SAC's caching mode: note reads and outside writes, run the op."""
         if is_sac_ignored(func):
             return func(*args, **kwargs)
-        deps = tuple(self.flow.reads(args, kwargs))
+        storages = arg_storages(args, kwargs)
+        deps = tuple(self.flow.reads(args, kwargs, storages))
         written = written_tensors(func, args, kwargs)
         for value in written:
             st = value.untyped_storage()
@@ -122,10 +123,10 @@ class RegionCall:
                                "after an op the replay re-runs had read it")
             if id(st) not in self.outside and not self.flow.produced_here(value):
                 self.outside[id(st)] = st.clone()
-        reads = [id(a.untyped_storage()) for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        reads = [id(st) for st in storages]
         writes = [id(t.untyped_storage()) for t in written]
         out = func(*args, **kwargs)
-        self.flow.record(self.n, func, args, kwargs, out)
+        self.flow.record(self.n, func, args, kwargs, out, storages)
         pending, self.pending = self.pending, None
         if pending is not None and pending[0] == self.n and pending[1] is func:  # SAC asked before the call
             self._note_outputs(self.n, func, pending[2], out, reads, writes)
@@ -175,7 +176,7 @@ class RegionCall:
 
     def _note_outputs(self, i: int, func, decision, out, reads: list[int], writes: list[int]) -> None:
         """What the replay needs to know of call ``i`` once it ran."""
-        outs = [id(t.untyped_storage()) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        outs = [id(t.untyped_storage()) for t in tensors_in(out)]
         if decision == CheckpointPolicy.MUST_SAVE:
             self.cached.update(outs)
             self.read_cached.difference_update(outs)

@@ -151,9 +151,11 @@ def _adjusted_live(stats: ModelStats, drop_casts: bool = True) -> np.ndarray:
     live = np.asarray(tl.live_bytes, dtype=np.int64).copy()
     n = len(live)
     # Parameter casts are re-made on use, never saved.  Autocast's weight cache
-    # still holds them until its region exits, usually with the forward: count
-    # them gone from the first event after the forward.
-    forward_end = next((i for i, ph in enumerate(tl.phases) if ph not in ("forward",)), n)
+    # still holds them until its region exits, with the forward or (as
+    # ``profile(autocast=)`` traces it, and as a training loop usually runs)
+    # after the loss, which is often the step's peak: count them gone from the
+    # backward's first event.
+    forward_end = next((i for i, ph in enumerate(tl.phases) if ph not in ("forward", "loss")), n)
     # The backward that uses one makes it again (the cast hook's unpack) and
     # holds it until that backward step ends, where the unmodified step frees it.
     for op in stats.saved_ops:

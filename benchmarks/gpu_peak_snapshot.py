@@ -1,0 +1,87 @@
+"""On a GPU (outside CI): what is alive at the peak of one planned step --
+the CUDA allocator's own record of every allocation, grouped by the source
+line that made it -- to compare with the plan's prediction.
+
+    python benchmarks/gpu_peak_snapshot.py
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+import autosac
+from autosac.budget import format_bytes
+from autosac.models import build_model
+from autosac.optim import default_loss
+from autosac.solver import least_peak, solve_stats
+from autosac.solver.problem import build_problem
+
+BF16 = torch.bfloat16
+NAME, CFG = "llama-7b", dict(batch=4, seq=4096, n_layer=16, dim=2048, n_head=16, n_kv_head=4, ffn_hidden=5632)
+
+
+def _where(frames) -> str:
+    for f in frames:
+        name = f.get("filename", "")
+        if any(k in name for k in ("autosac", "torch/utils/checkpoint", "torch/optim", "torch/autograd", "torch/amp")):
+            return f"{name.split('/')[-1]}:{f.get('line')} {f.get('name')}"
+    return "?"
+
+
+def live_at_peak(snapshot) -> tuple[int, dict[str, int]]:
+    events = [e for trace in snapshot["device_traces"] for e in trace if e["action"] in ("alloc", "free_completed")]
+    live: dict[int, tuple[int, str]] = {}
+    total = best = 0
+    best_live = {}
+    for e in events:
+        if e["action"] == "alloc":
+            live[e["addr"]] = (e["size"], _where(e.get("frames", [])))
+            total += e["size"]
+        elif e["addr"] in live:
+            total -= live.pop(e["addr"])[0]
+        if total > best:
+            best, best_live = total, dict(live)
+    groups = collections.Counter()
+    for size, where in best_live.values():
+        groups[where] += size
+    return best, groups
+
+
+def main():
+    meta, idx = build_model(NAME, device="meta", **CFG)
+    stats = autosac.profile(meta, idx, target="h100", autocast=BF16)
+    problem = build_problem(stats)
+    plan = solve_stats(stats, least_peak(problem, solver="highs")[0], solver="highs", problem=problem)
+    print(f"predicted {format_bytes(plan.predicted_peak_bytes)} (baseline {format_bytes(stats.peak_bytes)})")
+    torch.manual_seed(0)
+    model, idx = build_model(NAME, device="cuda", **CFG)
+    autosac.apply(model, plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        with torch.autocast("cuda", dtype=BF16):
+            loss = default_loss(model(idx))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000)
+    step()
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    peak, groups = live_at_peak(snap)
+    print(f"measured peak {format_bytes(torch.cuda.max_memory_allocated())}; alive before the step "
+          f"{format_bytes(before)}; made during the step and alive at its peak {format_bytes(peak)}")
+    for where, size in groups.most_common(25):
+        print(f"{format_bytes(size):>12}  {where}")
+
+
+if __name__ == "__main__":
+    main()
