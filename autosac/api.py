@@ -22,6 +22,7 @@ def solve(
     param_dtype=None,
     reduce_dtype=None,
     autocast=None,
+    shard_units=None,
     solver: str = "cbc",
     time_limit_s: float = 60,
     reserve: str | int | float = 0,
@@ -34,7 +35,7 @@ def solve(
     Args:
         model_or_stats: an ``nn.Module`` (profiled here with ``example_inputs``,
             ``loss_fn``, ``optimizer``, ``target``, ``world_size``, ``param_dtype``,
-            ``reduce_dtype``, ``autocast``: see :func:`autosac.profile`) or a
+            ``reduce_dtype``, ``autocast``, ``shard_units``: see :func:`autosac.profile`) or a
             :class:`ModelStats` from :func:`autosac.profile` (profile once, solve many).
         budget: ``"8GiB"``, ``"500MB"``, ``"60%"`` of the unconstrained peak,
             an ``int`` of bytes or a ``float`` of GiB.
@@ -75,6 +76,6 @@ def solve(
             raise ValueError(f"unknown solver {solver!r}: use one of {', '.join(BACKENDS)}")
         stats = profile(model_or_stats, example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                         target=target, world_size=world_size, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                        autocast=autocast)
+                        autocast=autocast, shard_units=shard_units)
     return solve_budget(stats, budget, solver=solver, time_limit_s=time_limit_s, reserve=reserve,
                         max_choices=max_choices, presolve=presolve)

@@ -27,6 +27,9 @@ def _model_options(p: argparse.ArgumentParser) -> None:
                    help="FSDP2 MixedPrecisionPolicy param_dtype (with --world-size > 1)")
     p.add_argument("--reduce-dtype", choices=sorted(_DTYPES), default=None,
                    help="FSDP2 MixedPrecisionPolicy reduce_dtype (default: the param dtype)")
+    p.add_argument("--shard-units", default=None, metavar="NAMES",
+                   help="FSDP2 units (with --world-size > 1): module names or patterns, comma-separated, "
+                        "e.g. 'layers.*' (default: one per block)")
     p.add_argument("--autocast", choices=["bf16", "fp16"], default=None,
                    help="train under torch.autocast in this dtype (traced with the target's cast policy)")
     p.add_argument("--optimizer", default="adamw")
@@ -64,7 +67,7 @@ def _profile(args):
                                                           ("reduce_dtype", args.reduce_dtype),
                                                           ("autocast", args.autocast)) if v}
     return autosac.profile(model, inputs, optimizer=args.optimizer, target=args.target, world_size=args.world_size,
-                           **dtypes)
+                           shard_units=args.shard_units, **dtypes)
 
 
 def cmd_plan(args) -> int:

@@ -87,6 +87,7 @@ class Plan:
     input_shapes: list[list] = field(default_factory=list)  # [[where, shape, dtype]] it was made for
     device: str = ""  # the device class whose kernels it names: "cuda" or "cpu"
     autocast: str = ""  # the step runs under torch.autocast in this dtype ("bfloat16"), or ""
+    sharding: str = ""  # with world_size > 1: how the FSDP2 units were chosen ("13 units one per block, and the root")
     format: int = PLAN_FORMAT
 
     @property

@@ -23,6 +23,7 @@ def plan_table(plan) -> str:
     lines += [
         "",
         f"model            {plan.model} ({plan.fingerprint}), target {plan.target}, world size {plan.world_size}",
+        *([f"FSDP2 units      {plan.sharding}"] if plan.sharding else []),
         f"baseline peak    {format_bytes(plan.baseline_peak_bytes)}",
         f"planned peak     {format_bytes(plan.predicted_peak_bytes)}",
         f"budget           {format_bytes(plan.budget_bytes)}",

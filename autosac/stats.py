@@ -194,6 +194,7 @@ class ModelStats:
     # "reduce_ratio"}; the trace then ran in param_dtype, and the ratios scale its parameter bytes
     mixed_precision: dict = field(default_factory=dict)
     autocast: str = ""  # the dtype the forward was traced under torch.autocast in ("bfloat16"), or ""
+    shard_units: list[str] = field(default_factory=list)  # FSDP2 units as given to profile; [] = one per block
     checkpoint_state_bytes: int = 0  # what each checkpoint call keeps besides inputs: the saved RNG state
     format: int = STATS_FORMAT
 

@@ -83,7 +83,7 @@ def test_plan_composes_with_fully_shard(tmp_path):
 MEM_CFG = dict(n_layer=4, dim=256, n_head=4, seq=256, vocab=2048, dropout=0.0)
 
 
-def _peak_worker(rank, world, port, plan_json, out_dir, mixed=None, plain_checkpoint=None):
+def _peak_worker(rank, world, port, plan_json, out_dir, mixed=None, plain_checkpoint=None, units=None):
     """One rank: the GPT with a plan applied (or the block ``plain_checkpoint``
     wrapped in torch's own checkpoint), per-block ``fully_shard`` (with a
     MixedPrecisionPolicy of ``mixed`` = (param, reduce) dtypes), one measured step."""
@@ -104,7 +104,7 @@ def _peak_worker(rank, world, port, plan_json, out_dir, mixed=None, plain_checkp
             forward = block.forward
             block.forward = lambda *a, **k: checkpoint(forward, *a, use_reentrant=False, **k)
         kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=mixed[0], reduce_dtype=mixed[1])} if mixed else {}
-        for block in model.blocks:
+        for block in [model.get_submodule(u) for u in units] if units else model.blocks:
             fully_shard(block, **kw)
         fully_shard(model, **kw)
         peak = autosac.measure(model, idx, optimizer="adamw", steps=1).peak_bytes
@@ -113,8 +113,9 @@ def _peak_worker(rank, world, port, plan_json, out_dir, mixed=None, plain_checkp
         dist.destroy_process_group()
 
 
-def _fsdp_peak(tmp_path, world, plan, mixed=None, plain_checkpoint=None) -> int:
-    _run_ranks(_peak_worker, world, plan.to_json() if plan is not None else None, tmp_path, mixed, plain_checkpoint)
+def _fsdp_peak(tmp_path, world, plan, mixed=None, plain_checkpoint=None, units=None) -> int:
+    _run_ranks(_peak_worker, world, plan.to_json() if plan is not None else None, tmp_path, mixed, plain_checkpoint,
+               units)
     return max(int((tmp_path / f"rank{r}").read_text()) for r in range(world))
 
 
@@ -189,3 +190,57 @@ def test_mixed_precision_options_are_checked():
         autosac.profile(model, idx, world_size=2, param_dtype=torch.int8)
     with pytest.raises(ValueError, match="reduce_dtype needs param_dtype"):
         autosac.profile(model, idx, world_size=2, reduce_dtype=torch.float32)
+
+
+def test_units_as_given_match_real_fsdp2(tmp_path):
+    """fully_shard on two of the blocks only (the others belong to the root,
+    gathered all step): the prediction follows the units it is given, and
+    one per block is what "blocks.*" names."""
+    from suite import A100_CPU_KERNELS
+
+    from autosac.solver.problem import build_problem
+
+    model, idx = build_model("gpt2", device="meta", batch=4, **MEM_CFG)
+    kw = dict(optimizer="adamw", target=A100_CPU_KERNELS, world_size=2)
+    default = build_problem(autosac.profile(model, idx, **kw)).baseline_peak
+    assert build_problem(autosac.profile(model, idx, shard_units="blocks.*", **kw)).baseline_peak == default
+    units = ["blocks.1", "blocks.2"]
+    stats = autosac.profile(model, idx, shard_units=units, **kw)
+    predicted = build_problem(stats).baseline_peak
+    assert predicted > default  # two more blocks gathered all step
+    measured = _fsdp_peak(tmp_path, 2, None, units=units)
+    assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+    plan = autosac.solve(stats, "80%")
+    assert plan.sharding == "2 units as given (shard_units), and the root"
+    measured = _fsdp_peak(tmp_path, 2, plan, units=units)
+    assert abs(plan.predicted_peak_bytes - measured) <= 0.05 * measured, (plan.predicted_peak_bytes, measured)
+
+
+def test_bad_shard_units_are_one_clear_error():
+    model, idx = build_model("gpt2", device="meta", batch=4, **MEM_CFG)
+    cases = [
+        (dict(world_size=2, shard_units="layers.*"), "'layers.\\*' names no module of GPT"),
+        (dict(world_size=2, shard_units=["blocks.0", "blocks.0.attn"]), "lies inside 'blocks.0'"),
+        (dict(world_size=1, shard_units="blocks.*"), "need world_size > 1"),
+        (dict(world_size=2, shard_units=[""]), "the root is always a unit"),
+    ]
+    for kw, match in cases:
+        with pytest.raises(ValueError, match=match):
+            autosac.profile(model, idx, **kw)
+
+
+def test_a_model_already_sharded_is_refused_with_its_units():
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model, idx = build_model("gpt2", device="cpu", batch=4, **MEM_CFG)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        with pytest.raises(ValueError, match=r"already sharded by fully_shard .*shard_units=\['blocks.0', 'blocks.1'"):
+            autosac.profile(model, idx, world_size=2)
+    finally:
+        dist.destroy_process_group()

@@ -14,6 +14,7 @@ from autosac.solver.chain import NotAChain, solve_chain
 from autosac.solver.milp import build_milp, decode, encode, milp_needs, with_objective_bound
 from autosac.solver.problem import Problem, build_problem
 from autosac.solver.replay import ModuleReplay, saved_inside
+from autosac.solver.sharding import describe_units
 from autosac.stats import ModelStats
 
 __all__ = ["solve_budget", "solve_stats", "least_peak", "plan_from_decisions"]
@@ -240,6 +241,7 @@ def _make_plan(stats: ModelStats, problem: Problem, choice: dict[int, int], budg
         decisions={f: d.ratio for f, d in details.items()}, details=details, solver=info,
         versions=dict(stats.versions), input_shapes=[list(x) for x in stats.input_shapes],
         device=stats.target.get("device_type", ""), autocast=stats.autocast,
+        sharding=describe_units(stats) if stats.world_size > 1 else "",
     )
 
 

@@ -25,8 +25,10 @@ With FSDP2's mixed precision (``profile(param_dtype=...)``) the trace ran in
 sharded gradients and the optimizer in the parameters' own dtype, and the
 reduce-scatter's input in ``reduce_dtype``.
 
-Units are the children of ``ModuleList``/``Sequential`` containers (the usual
-``for block in model.layers: fully_shard(block)``), and the root.
+Units are the modules named by ``profile(shard_units=...)`` -- the modules
+the user passes to ``fully_shard`` -- or, by default, the children of
+``ModuleList``/``Sequential`` containers (the usual ``for block in
+model.layers: fully_shard(block)``); and the root.
 """
 
 from __future__ import annotations
@@ -51,7 +53,11 @@ class Unit:
 
 
 def fsdp_units(stats: ModelStats) -> list[Unit]:
-    """The per-block units, in forward order (the root is not among them)."""
+    """The units (``stats.shard_units``, else one per block), in forward order
+    (the root is not among them)."""
+    if stats.shard_units:
+        return sorted((_unit(stats, fqn) for fqn in stats.shard_units if stats.modules[fqn].fw_windows),
+                      key=lambda u: u.forward[0])
     units = []
     for fqn in stats.subtree(stats.root):  # pre-order: outer units are found first
         m = stats.modules[fqn]
@@ -60,10 +66,22 @@ def fsdp_units(stats: ModelStats) -> list[Unit]:
             continue
         if not m.fw_windows or m.param_bytes_total == 0:
             continue
-        forward = (m.fw_windows[0][0], m.fw_windows[-1][1] - 1)
-        backward = tuple(m.bw_window) if m.bw_window else None
-        units.append(Unit(fqn, m.param_bytes_total, m.grad_bytes_total, forward, backward))
+        units.append(_unit(stats, fqn))
     return sorted(units, key=lambda u: u.forward[0])
+
+
+def _unit(stats: ModelStats, fqn: str) -> Unit:
+    m = stats.modules[fqn]
+    forward = (m.fw_windows[0][0], m.fw_windows[-1][1] - 1)
+    backward = tuple(m.bw_window) if m.bw_window else None
+    return Unit(fqn, m.param_bytes_total, m.grad_bytes_total, forward, backward)
+
+
+def describe_units(stats: ModelStats) -> str:
+    """How the plan's FSDP2 units were chosen, for the plan's summary."""
+    n = len(fsdp_units(stats))
+    how = "as given (shard_units)" if stats.shard_units else "one per block"
+    return f"{n} units {how}, and the root"
 
 
 def sharded_live(stats: ModelStats, live: np.ndarray) -> np.ndarray:

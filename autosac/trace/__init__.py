@@ -18,6 +18,7 @@ from autosac.trace.aggregate import aggregate
 from autosac.trace.autocast import check_autocast_dtype
 from autosac.trace.costs import CostModel
 from autosac.trace.step import trace_step
+from autosac.trace.units import refuse_sharded, resolve_shard_units
 from autosac.version import __version__
 
 __all__ = ["profile"]
@@ -33,6 +34,7 @@ def profile(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     autocast: torch.dtype | None = None,
+    shard_units: list[str] | str | None = None,
 ) -> ModelStats:
     """Trace one training step (forward, loss, backward, optimizer step) under
     FakeTensorMode and return its memory, runtime and recompute statistics.
@@ -60,6 +62,12 @@ def profile(
             target device's cast policy (CUDA's for a GPU target, see
             :mod:`autosac.trace.autocast`); train the same way, with
             ``torch.autocast(device_type, dtype)`` around forward and loss.
+        shard_units: with ``world_size > 1``, the modules you pass to FSDP2's
+            ``fully_shard`` (besides the root), as names or shell patterns
+            (``"layers.*"``; a string may list several, comma-separated).
+            Default: one unit per child of each ``ModuleList``/``Sequential``.
+            Profile the model before sharding it: a model already sharded
+            is refused with the units it has, ready to pass here.
 
     Returns:
         ModelStats: plain, JSON-serialisable statistics.
@@ -69,7 +77,9 @@ def profile(
         TraceError: the forward raised (the message names the module) or inputs don't fit.
         ValueError: an unknown target or optimizer, ``world_size < 1``, a
             ``param_dtype`` without ``world_size > 1`` or not floating, an
-            ``autocast`` other than bfloat16/float16, a model
+            ``autocast`` other than bfloat16/float16, ``shard_units`` naming
+            no module, the root, nested units or units without ``world_size > 1``,
+            a model already sharded by ``fully_shard``, a model
             that already has a plan applied, or one that checkpoints by itself
             (transformers' ``gradient_checkpointing_enable()``).
         TypeError: ``model`` is not an ``nn.Module``.
@@ -93,6 +103,8 @@ def profile(
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     mixed = _mixed_precision(model, world_size, param_dtype, reduce_dtype)
     check_autocast_dtype(autocast)
+    refuse_sharded(model, world_size)
+    units = resolve_shard_units(model, shard_units, world_size)
     cost = CostModel(spec)
     try:
         step = trace_step(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, cost_model=cost,
@@ -118,6 +130,7 @@ def profile(
     stats.input_shapes = input_signature(*split_inputs(example_inputs))
     stats.mixed_precision = mixed
     stats.autocast = str(autocast).removeprefix("torch.") if autocast is not None else ""
+    stats.shard_units = units
     # preserve_rng_state keeps the CPU generator state (and a device's) per checkpoint call
     stats.checkpoint_state_bytes = torch.get_rng_state().numel() + (16 if not spec.measured else 0)
     return stats
