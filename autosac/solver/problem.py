@@ -33,7 +33,8 @@ class Candidate:
     * from ``start`` (its forward's end) to ``end`` (its backward's start) the
       step holds ``bytes[k]`` less: the discarded activations, less the
       ``hold`` bytes the checkpoint keeps (inputs that would have died, RNG state);
-    * from ``end`` to ``bw_end`` (its backward) it holds ``hold`` more;
+    * from ``end`` to ``bw_end`` (its backward) it holds ``hold`` more (with
+      the parameter casts its replay makes again);
     * at ``end``, while it recomputes -- before the first backward op there
       allocates anything -- ``work[k]`` more on top of that.
     """
@@ -163,6 +164,15 @@ def _adjusted_live(stats: ModelStats, drop_casts: bool = True) -> np.ndarray:
             until = op.freed_event if op.remade_at < 0 else min(op.freed_event, op.remade_at)
             live[max(forward_end, op.event + 1) : until] -= op.bytes
     return sharded_live(stats, live)
+
+
+def _replay_casts(stats: ModelStats, window: tuple[int, int]) -> int:
+    """Bytes of the parameter casts a module's forward call makes (autocast's
+    weight copies).  Its replay in the backward makes them again, and the
+    re-run ops that save them keep them until their own backward -- unlike
+    the unmodified step, whose saved casts are re-made only at their use --
+    so a checkpointed module holds them from its replay to its backward's end."""
+    return sum(op.bytes for op in stats.saved_ops if op.param_cast and window[0] <= op.event < window[1])
 
 
 def bits(mask: int):
@@ -388,12 +398,14 @@ def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
             # what the cache holds for kept ops is not saved either (conservatively
             # over the whole interval: it is held from its consumers' backward on)
             net = [int(cum_b[k - 1]) - hold - _cache_held(m, stats, mine, k, window)[0] for k in picks]
+            casts = _replay_casts(stats, window)
             group.append(Candidate(
                 fqn=fqn, start=window[1], end=span[0], bw_end=span[1], bytes=net,
                 discarded=[int(cum_b[k - 1]) for k in picks], ms=[float(cum_t[k - 1]) for k in picks],
-                n_items=list(picks), items=mine, discardable_bytes=int(cum_b[-1]), hold=hold,
-                # the replay also works on its own copy of what the call writes outside itself
-                work=[w + outside for w in _recompute_extra(stats, m, mine, picks, window)], call=j,
+                n_items=list(picks), items=mine, discardable_bytes=int(cum_b[-1]), hold=hold + casts,
+                # the replay also works on its own copy of what the call writes outside itself;
+                # its parameter casts are in ``hold`` from the replay on
+                work=[max(0, w + outside - casts) for w in _recompute_extra(stats, m, mine, picks, window)], call=j,
                 window=tuple(window), retained=parts,
             ))
         if not group:
