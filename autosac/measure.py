@@ -10,6 +10,7 @@ caching allocator's reserve).
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from contextlib import nullcontext
@@ -125,6 +126,7 @@ def measure(
             t0 = time.perf_counter()
             loss = step()
             times.append((time.perf_counter() - t0) * 1e3)
+    gc.collect()  # garbage left by earlier work is not freed in the middle of the measured step
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
         step()

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 import warnings
 
@@ -75,16 +76,25 @@ def llama70b() -> None:
 
 def depth() -> None:
     print("## Seed Transformer: planning time against depth (H100, 60 % budget)\n")
-    print("| layers | profile | solve | total | modules |")
-    print("|---:|---:|---:|---:|---:|")
+    print("Medians of 3 runs each (this machine's timings vary by about 10 %); ratio: total against")
+    print("the depth before.\n")
+    print("| layers | profile | solve | total | ratio | modules |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    before = None
     for n in (16, 32, 64, 128):
         model, idx = build_model("seed-transformer", device="meta", n_layer=n)
-        t0 = time.perf_counter()
-        stats = autosac.profile(model, idx, target="h100")
-        t1 = time.perf_counter()
-        plan = autosac.solve(stats, "60%")
-        t2 = time.perf_counter()
-        print(f"| {n} | {t1 - t0:.2f} s | {t2 - t1:.2f} s | {t2 - t0:.2f} s | {len(plan.decisions)} |")
+        runs = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            stats = autosac.profile(model, idx, target="h100")
+            t1 = time.perf_counter()
+            plan = autosac.solve(stats, "60%")
+            runs.append((t1 - t0, time.perf_counter() - t1))
+        prof, solve = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+        total = statistics.median(r[0] + r[1] for r in runs)
+        ratio = f"{total / before:.2f}x" if before else "-"
+        print(f"| {n} | {prof:.2f} s | {solve:.2f} s | {total:.2f} s | {ratio} | {len(plan.decisions)} |")
+        before = total
 
 
 def main() -> None:

@@ -65,15 +65,18 @@ def solve_stats(
     problem = problem or build_problem(stats, max_choices)
     if int(problem.live.max(initial=0)) <= budget_bytes:
         return _make_plan(stats, problem, {}, budget_bytes, _trivial(solver))
-    milp = build_milp(problem, budget_bytes)
-    start = chain = None
+    feasible, chain, bound, start = True, None, None, None
     if presolve:
-        milp, start, chain = _presolve_chain(problem, budget_bytes, milp)
+        feasible, chain, bound = _presolve_chain(problem, budget_bytes)
         if chain is not None and not problem.shared:
-            # the chain DP solved exactly this problem: its optimum needs no MILP proof
+            # the chain DP solved exactly this problem: its optimum needs no MILP (nor building one)
             info = {"backend": "chain DP", "status": "optimal", "gap": 0.0, "seconds": 0.0,
                     "objective": chain.objective, "bound": chain.objective, "presolve": "chain"}
             return _make_plan(stats, problem, chain.choice, budget_bytes, info)
+    milp = build_milp(problem, budget_bytes) if feasible else None
+    if milp is not None and bound is not None:
+        milp = with_objective_bound(milp, bound * (1 - 1e-9) - 1e-9)
+        start = encode(milp, chain.choice) if chain is not None else None
     sol = BACKENDS[solver](milp, time_limit_s, start) if milp is not None else Solution(
         None, "infeasible", math.inf, math.nan, math.inf, 0.0, solver)
     if sol.x is None and chain is not None and problem.evaluate(chain.choice) <= budget_bytes:
@@ -103,9 +106,11 @@ def solve_stats(
     return _make_plan(stats, problem, choice, budget_bytes, info)
 
 
-def _presolve_chain(problem: Problem, budget_bytes: int, milp):
-    """The exact chain DP where intervals nest: returns the MILP (None when the
-    DP proved the budget infeasible), a starting solution and the DP's plan.
+def _presolve_chain(problem: Problem, budget_bytes: int):
+    """The exact chain DP where intervals nest.  Returns ``(feasible, chain,
+    bound)``: False when the DP proved the budget infeasible; the DP's plan
+    (None where intervals do not nest, or no plan was found); a proven lower
+    bound on the optimal recompute time (None where intervals do not nest).
 
     Without shared inputs the DP's plan is the optimum.  Otherwise its
     optimum becomes a proven lower bound on the MILP's objective and its plan
@@ -117,20 +122,17 @@ def _presolve_chain(problem: Problem, budget_bytes: int, milp):
         if not problem.shared:
             chain = solve_chain(problem, budget_bytes, milp_needs(problem, budget_bytes))
             if chain is None:
-                return None, None, None
-            bound = chain.objective
-        else:
-            held = problem.with_shared_held_by_each()
-            chain = solve_chain(held, budget_bytes, milp_needs(held, budget_bytes))
-            free = problem.without_shared()
-            relaxed = solve_chain(free, budget_bytes, milp_needs(free, budget_bytes))
-            if relaxed is None:
-                return None, None, None
-            bound = relaxed.objective
+                return False, None, None
+            return True, chain, chain.objective
+        held = problem.with_shared_held_by_each()
+        chain = solve_chain(held, budget_bytes, milp_needs(held, budget_bytes))
+        free = problem.without_shared()
+        relaxed = solve_chain(free, budget_bytes, milp_needs(free, budget_bytes))
+        if relaxed is None:
+            return False, None, None
+        return True, chain, relaxed.objective
     except NotAChain:
-        return milp, None, None
-    milp = with_objective_bound(milp, bound * (1 - 1e-9) - 1e-9)
-    return milp, (encode(milp, chain.choice) if chain is not None else None), chain
+        return True, None, None
 
 
 def plan_from_decisions(

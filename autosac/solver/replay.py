@@ -175,9 +175,15 @@ def _order_items(rp: ModuleReplay, items: list[list[int]], first: list[int] | No
             order.append(best)
             remaining.remove(best)
             discarded |= events_of(items[best])
-            have = rp.needed(discarded)
+            have |= rp.closure(rp.roots(discarded) - have, discarded, have)
+    # each prefix's replay: what the one before needed, and what the new item
+    # adds to it (the replay only grows as more is discarded)
     out, costs, discarded = _merged([list(items[i]) for i in order], first), [], set()
+    have, ms = set(), 0.0
     for it in out:
         discarded |= events_of(it)
-        costs.append(rp.cost(rp.needed(discarded)))
+        new = rp.closure(rp.roots(discarded) - have, discarded, have)
+        have |= new
+        ms += rp.cost(new)
+        costs.append(ms)
     return out, costs, order

@@ -156,11 +156,9 @@ class _CastOrder(TorchDispatchMode):
 
 
 class _Caught(Exception):
-    """Raised by the probe kernel below CUDA autocast, with the arguments it got."""
-
-    def __init__(self, args, kwargs):
-        super().__init__()
-        self.args_, self.kwargs_ = args, kwargs
+    """Raised by the probe kernel below CUDA autocast once it noted the arguments
+    it got (kept outside the exception: a traceback kept alive would hold the
+    trace's tensors in a reference cycle, freed only when the GC runs)."""
 
 
 def _cuda_autocast_changes(op, leaves: list, spec, dtype: torch.dtype):
@@ -172,8 +170,11 @@ def _cuda_autocast_changes(op, leaves: list, spec, dtype: torch.dtype):
     the caller left them out, by name."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    got: list = []
+
     def catch(*args, **kwargs):
-        raise _Caught(args, kwargs)
+        got.append((args, kwargs))
+        raise _Caught
 
     lib = torch.library.Library("aten", "IMPL")
     try:
@@ -188,13 +189,13 @@ def _cuda_autocast_changes(op, leaves: list, spec, dtype: torch.dtype):
             try:
                 with torch.no_grad(), mode, _CastOrder(twins) as order:
                     op(*args, **kwargs)
-            except _Caught as c:
-                caught = c
-            else:
+            except _Caught:
+                pass
+            if not got:
                 return [], {}  # never reached the op (a fast path before it): nothing autocast did
     finally:
         lib._destroy()
-    (cargs, ckwargs), (gargs, gkwargs) = tree_unflatten(twins, spec), (caught.args_, caught.kwargs_)
+    (cargs, ckwargs), (gargs, gkwargs) = tree_unflatten(twins, spec), got[0]
     # arguments autocast set that the caller left to their defaults (``dtype``); the
     # dispatcher may leave out trailing defaults either way
     schema = {a.name: a for a in op._schema.arguments}
