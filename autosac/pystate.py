@@ -113,7 +113,15 @@ def _torch_internal(obj) -> bool:
     handles, DTensor specs): not user state, and copying their attributes would
     keep alive what they release -- FSDP2's gathered parameters after a
     forward, say.  Modules are captured on their own."""
-    return not isinstance(obj, nn.Module) and type(obj).__module__.split(".")[0] == "torch"
+    kind = type(obj)
+    internal = _INTERNAL.get(kind)
+    if internal is None:
+        internal = _INTERNAL[kind] = (not issubclass(kind, nn.Module)
+                                      and (kind.__module__ or "").split(".")[0] == "torch")
+    return internal
+
+
+_INTERNAL: dict[type, bool] = {}  # per type: one of PyTorch's own (see _torch_internal)
 
 
 def _contents(obj):
