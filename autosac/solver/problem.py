@@ -166,13 +166,22 @@ def _adjusted_live(stats: ModelStats, drop_casts: bool = True) -> np.ndarray:
     return sharded_live(stats, live)
 
 
-def _replay_casts(stats: ModelStats, window: tuple[int, int]) -> int:
-    """Bytes of the parameter casts a module's forward call makes (autocast's
-    weight copies).  Its replay in the backward makes them again, and the
-    re-run ops that save them keep them until their own backward -- unlike
-    the unmodified step, whose saved casts are re-made only at their use --
-    so a checkpointed module holds them from its replay to its backward's end."""
-    return sum(op.bytes for op in stats.saved_ops if op.param_cast and window[0] <= op.event < window[1])
+class _ReplayCasts:
+    """Bytes of the parameter casts (autocast's weight copies) a module's
+    forward call makes, per window of events.  Its replay in the backward
+    makes them again, and the re-run ops that save them keep them until their
+    own backward -- unlike the unmodified step, whose saved casts are re-made
+    only at their use -- so a checkpointed module holds them from its replay
+    to its backward's end."""
+
+    def __init__(self, stats: ModelStats):
+        casts = [op for op in stats.saved_ops if op.param_cast]  # saved ops are in event order
+        self.events = [op.event for op in casts]
+        self.cum = np.concatenate([[0], np.cumsum([op.bytes for op in casts], dtype=np.int64)])
+
+    def __call__(self, window: tuple[int, int]) -> int:
+        lo, hi = bisect.bisect_left(self.events, window[0]), bisect.bisect_left(self.events, window[1])
+        return int(self.cum[hi] - self.cum[lo])
 
 
 def bits(mask: int):
@@ -368,6 +377,7 @@ def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
     """
     live = _adjusted_live(stats)
     orders: dict = {}  # identical layers share their discard order
+    replay_casts = _ReplayCasts(stats)
     candidates: list[Candidate] = []
     linked: list[list[Candidate]] = []
     for fqn in stats.subtree(stats.root):
@@ -398,7 +408,7 @@ def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
             # what the cache holds for kept ops is not saved either (conservatively
             # over the whole interval: it is held from its consumers' backward on)
             net = [int(cum_b[k - 1]) - hold - _cache_held(m, stats, mine, k, window)[0] for k in picks]
-            casts = _replay_casts(stats, window)
+            casts = replay_casts(window)
             group.append(Candidate(
                 fqn=fqn, start=window[1], end=span[0], bw_end=span[1], bytes=net,
                 discarded=[int(cum_b[k - 1]) for k in picks], ms=[float(cum_t[k - 1]) for k in picks],

@@ -39,6 +39,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 aten = torch.ops.aten
 AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 _AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+# what CUDA autocast does to a call, per (dtype, op, argument layout, argument
+# dtypes): the same in every trace of this process, so asked once
+_POLICY: dict[tuple, tuple[list[tuple[int, object]], dict]] = {}
 
 
 def check_autocast_dtype(dtype) -> None:
@@ -74,7 +77,6 @@ class CudaAutocast:
     def __init__(self, dtype: torch.dtype):
         check_autocast_dtype(dtype)
         self.dtype = dtype
-        self._policy: dict[tuple, tuple[list[tuple[int, object]], dict]] = {}
         self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._failed: set[str] = set()
         self._lib = None
@@ -102,10 +104,10 @@ class CudaAutocast:
     def cast_args(self, op, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """``args``/``kwargs`` as CUDA autocast hands them on to ``op``."""
         leaves, spec = tree_flatten((args, kwargs))
-        key = (op, spec, tuple(_leaf_key(x) for x in leaves))
-        policy = self._policy.get(key)
+        key = (self.dtype, op, spec, tuple(_leaf_key(x) for x in leaves))
+        policy = _POLICY.get(key)
         if policy is None:
-            policy = self._policy[key] = self._ask_cuda(op, leaves, spec)
+            policy = _POLICY[key] = self._ask_cuda(op, leaves, spec)
         changes, extra = policy
         for pos, value in changes:
             leaves[pos] = self._cast(leaves[pos], value) if isinstance(leaves[pos], torch.Tensor) else value

@@ -155,7 +155,7 @@ def _as_on_target(spec, autocast: torch.dtype | None):
         if spec.device_type != "cuda":
             yield
             return
-        with TargetDispatch(spec.capability, cast if autocast is not None else None):
+        with TargetDispatch(spec.capability, cast):  # cast: the CudaAutocast, or None without autocast
             yield
 
 
