@@ -41,7 +41,7 @@ AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 _AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 # what CUDA autocast does to a call, per (dtype, op, argument layout, argument
 # dtypes): the same in every trace of this process, so asked once
-_POLICY: dict[tuple, tuple[list[tuple[int, object]], dict]] = {}
+_POLICY: dict[tuple, tuple[list[tuple[int, object]], dict, str]] = {}
 
 
 def check_autocast_dtype(dtype) -> None:
@@ -107,8 +107,12 @@ class CudaAutocast:
         key = (self.dtype, op, spec, tuple(_leaf_key(x) for x in leaves))
         policy = _POLICY.get(key)
         if policy is None:
-            policy = _POLICY[key] = self._ask_cuda(op, leaves, spec)
-        changes, extra = policy
+            policy = _POLICY[key] = _ask_cuda(op, leaves, spec, self.dtype)
+        changes, extra, failure = policy
+        if failure and str(op) not in self._failed:  # said once per trace
+            self._failed.add(str(op))
+            warnings.warn(f"autosac: could not ask CUDA autocast about {op} ({failure}); traced without its casts",
+                          stacklevel=3)
         for pos, value in changes:
             leaves[pos] = self._cast(leaves[pos], value) if isinstance(leaves[pos], torch.Tensor) else value
         args, kwargs = tree_unflatten(leaves, spec)
@@ -118,18 +122,6 @@ class CudaAutocast:
         with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):  # as CUDA's kernel: no autocast inside the op
             args, kwargs = self.cast_args(op, args, kwargs)
             return op(*args, **kwargs)
-
-    def _ask_cuda(self, op, leaves: list, spec):
-        try:
-            return _cuda_autocast_changes(op, leaves, spec, self.dtype)
-        except Exception as e:
-            if "autocast" in str(e):  # an op CUDA autocast refuses (binary_cross_entropy): so would the GPU
-                raise
-            if str(op) not in self._failed:
-                self._failed.add(str(op))
-                warnings.warn(f"autosac: could not ask CUDA autocast about {op} ({type(e).__name__}); "
-                              "traced without its casts", stacklevel=2)
-            return [], {}
 
     def _cast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``t.to(dtype)``, cached for a float32 leaf that requires grad, as autocast caches."""
@@ -141,6 +133,17 @@ class CudaAutocast:
         if hit is None or hit[0] is not t:
             hit = self._cache[id(t)] = (t, t.to(dtype))
         return hit[1]
+
+
+def _ask_cuda(op, leaves: list, spec, dtype: torch.dtype):
+    """``(changes, extra, failure)``: what CUDA autocast does to the call (see
+    :func:`_cuda_autocast_changes`), or nothing and why it could not be asked."""
+    try:
+        return (*_cuda_autocast_changes(op, leaves, spec, dtype), "")
+    except Exception as e:
+        if "autocast" in str(e):  # an op CUDA autocast refuses (binary_cross_entropy): so would the GPU
+            raise
+        return [], {}, type(e).__name__
 
 
 class _CastOrder(TorchDispatchMode):
