@@ -20,7 +20,7 @@ import weakref
 
 import torch
 
-from autosac.opkinds import is_view_op, written_tensors
+from autosac.opkinds import op_kind
 
 
 def tensors_in(*trees) -> list[torch.Tensor]:
@@ -83,12 +83,15 @@ class DataflowTracker:
         entry = self._flow.get(id(st)) if st is not None else None
         return entry is not None and entry[0] is not None
 
-    def record(self, idx: int, func, args, kwargs, out, storages: list | None = None) -> None:
-        """Note what call ``idx`` produced and wrote (``storages``: as in :meth:`reads`)."""
-        if is_view_op(func):
+    def record(self, idx: int, func, args, kwargs, out, storages: list | None = None,
+               written: list | None = None) -> None:
+        """Note what call ``idx`` produced and wrote (``storages``: as in
+        :meth:`reads`; ``written``: the tensors it wrote, if the caller has them)."""
+        kind = op_kind(func)
+        if kind.view:
             return
         ins = {id(st) for st in (storages if storages is not None else arg_storages(args, kwargs))}
-        for t in written_tensors(func, args, kwargs):
+        for t in written if written is not None else kind.written_tensors(args, kwargs):
             st = _storage(t)
             if st is not None:
                 key = self._key(st)

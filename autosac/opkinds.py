@@ -21,8 +21,6 @@ Example::
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
@@ -30,13 +28,6 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 SAC_IGNORED_NAMES = frozenset(
     op.overloadpacket.__name__ for op in SAC_IGNORED_OPS if getattr(op, "namespace", None) == "aten"
 )
-
-
-@cache
-def is_view_op(func) -> bool:
-    """True when the op's first result aliases an input without writing it."""
-    returns = func._schema.returns
-    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
 
 
 # Kernels whose schema does not mark the running stats they update in training.
@@ -47,41 +38,76 @@ UNDECLARED_WRITES = {
 }
 
 
-@cache
+class OpKind:
+    """What one op overload is, read once from its schema and tags."""
+
+    __slots__ = ("name", "view", "written", "random", "ignored")
+
+    def __init__(self, func) -> None:
+        self.name: str = func.overloadpacket.__name__
+        schema = func._schema
+        returns = schema.returns
+        #: the first result aliases an input without writing it
+        self.view: bool = bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+        extra = UNDECLARED_WRITES.get(self.name, ())
+        #: (position, name) of each argument the op writes in place
+        self.written: tuple[tuple[int, str], ...] = tuple(
+            (i, a.name) for i, a in enumerate(schema.arguments)
+            if (a.alias_info is not None and a.alias_info.is_write) or a.name in extra
+        )
+        #: draws from the RNG (a replay must re-run it in order)
+        self.random: bool = torch.Tag.nondeterministic_seeded in func.tags
+        #: never shown to a selective-checkpoint policy
+        self.ignored: bool = func in SAC_IGNORED_OPS
+
+    def written_tensors(self, args, kwargs) -> list[torch.Tensor]:
+        """The tensors one call with these arguments writes in place."""
+        out = []
+        for i, name in self.written:
+            value = kwargs[name] if name in kwargs else (args[i] if i < len(args) else None)
+            if isinstance(value, torch.Tensor):
+                out.append(value)
+            elif isinstance(value, (list, tuple)):
+                out.extend(v for v in value if isinstance(v, torch.Tensor))
+        return out
+
+
+_KINDS: dict[int, OpKind] = {}  # by id(): op overloads live for the process, and hash in Python
+
+
+def op_kind(func) -> OpKind:
+    """The :class:`OpKind` of an op overload (computed once per overload)."""
+    kind = _KINDS.get(id(func))
+    if kind is None:
+        kind = _KINDS[id(func)] = OpKind(func)
+    return kind
+
+
+def is_view_op(func) -> bool:
+    """True when the op's first result aliases an input without writing it."""
+    return op_kind(func).view
+
+
 def written_args(func) -> tuple[str, ...]:
     """Names of the arguments the op writes in place (empty for functional ops)."""
-    declared = tuple(a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write)
-    return declared + UNDECLARED_WRITES.get(func.overloadpacket.__name__, ())
+    return tuple(name for _, name in op_kind(func).written)
 
 
 def writes_input(func) -> bool:
     """True when the op writes into one of its inputs (``add_``, ``copy_``, batch norm's running stats)."""
-    return bool(written_args(func))
+    return bool(op_kind(func).written)
 
 
-@cache
 def is_random_op(func) -> bool:
     """True when the op draws from the RNG (a replay must re-run it in order)."""
-    return torch.Tag.nondeterministic_seeded in func.tags
+    return op_kind(func).random
 
 
 def is_sac_ignored(func) -> bool:
     """True for ops PyTorch's selective checkpointing never shows a policy."""
-    return func in SAC_IGNORED_OPS
+    return op_kind(func).ignored
 
 
 def written_tensors(func, args, kwargs) -> list[torch.Tensor]:
     """The tensors one call of ``func`` writes in place, found by schema argument name."""
-    names = written_args(func)
-    if not names:
-        return []
-    out = []
-    for i, a in enumerate(func._schema.arguments):
-        if a.name not in names:
-            continue
-        value = kwargs[a.name] if a.name in kwargs else (args[i] if i < len(args) else None)
-        if isinstance(value, torch.Tensor):
-            out.append(value)
-        elif isinstance(value, (list, tuple)):
-            out.extend(v for v in value if isinstance(v, torch.Tensor))
-    return out
+    return op_kind(func).written_tensors(args, kwargs)

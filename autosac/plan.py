@@ -41,6 +41,8 @@ class Decision:
     outputs nothing inside saves.  Of those, the ``skip`` calls feed nothing the
     replay needs: it does not compute them.  A forward whose op sequence or
     dataflow differs from ``calls`` is handled per call (see the applier).
+    ``writes_outside``: the traced forward writes in place a tensor made before
+    it (batch norm's running stats, say); True where unknown.
     """
 
     fqn: str
@@ -52,6 +54,7 @@ class Decision:
     calls: list[list] = field(default_factory=list)  # [[op, [reads...]], ...]
     save: list[int] = field(default_factory=list)
     skip: list[int] = field(default_factory=list)
+    writes_outside: bool = True
 
 
 @dataclass

@@ -20,6 +20,7 @@ fake mode (a lazily built cache, say) do not outlive the profile.
 from __future__ import annotations
 
 import types
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -30,16 +31,22 @@ _ATOMS = (
 )
 _MAX_OBJECTS = 100_000  # objects besides the modules themselves
 _MODULE_TABLES = ("_parameters", "_modules")
+_PLAIN_CONTAINERS = frozenset({list, dict, OrderedDict})
 
 
 class State:
     """Saved attribute bindings of some objects, restorable in place."""
 
-    def __init__(self, saved: list[tuple[object, object]]) -> None:
+    def __init__(self, saved: list[tuple[object, object]], empty: list | None = None) -> None:
         self._saved = saved  # (container, copy of its contents)
+        # containers that were empty (most of a module's hook tables): nothing to copy
+        self._empty = empty or []
 
     def install(self) -> None:
         """Make every captured container hold exactly what it held at capture time."""
+        for obj in self._empty:
+            if obj:
+                obj.clear()
         for obj, copy in self._saved:
             if isinstance(obj, list):
                 obj[:] = copy
@@ -52,6 +59,8 @@ class State:
     def grew(self) -> bool:
         """Whether any captured object or table has gained entries since capture
         (a forward that built lazy state: a cache attribute, a registered buffer)."""
+        if any(self._empty):
+            return True
         for obj, copy in self._saved:
             now = obj if isinstance(obj, (list, dict)) else obj.__dict__
             if len(now) > len(copy) or (not isinstance(obj, list) and not now.keys() <= copy.keys()):
@@ -60,7 +69,9 @@ class State:
 
     def recapture(self) -> State:
         """The same containers' contents as they are now."""
-        return State([(obj, _contents(obj)) for obj, _ in self._saved])
+        saved = [(obj, _contents(obj)) for obj, _ in self._saved]
+        saved.extend((obj, _contents(obj)) for obj in self._empty if obj)
+        return State(saved, [obj for obj in self._empty if not obj])
 
 
 def capture(module: nn.Module, args: tuple, kwargs: dict) -> State:
@@ -75,6 +86,7 @@ def capture(module: nn.Module, args: tuple, kwargs: dict) -> State:
         >>> after = before.recapture(); before.install(); ...; after.install()
     """
     saved: list[tuple[object, object]] = []
+    empty: list = []
     seen: set[int] = set()
     todo: list[object] = []
     for m in module.modules():
@@ -90,6 +102,9 @@ def capture(module: nn.Module, args: tuple, kwargs: dict) -> State:
     others = 0
     while todo and others < _MAX_OBJECTS:
         obj = todo.pop()
+        if type(obj) in _PLAIN_CONTAINERS and not obj:  # (hook tables) the same container twice is harmless
+            empty.append(obj)
+            continue
         if id(obj) in seen or isinstance(obj, _ATOMS) or _torch_internal(obj):
             continue
         seen.add(id(obj))
@@ -105,7 +120,7 @@ def capture(module: nn.Module, args: tuple, kwargs: dict) -> State:
         else:
             items = []
         todo.extend(reversed(items))
-    return State(saved)
+    return State(saved, empty)
 
 
 def _torch_internal(obj) -> bool:

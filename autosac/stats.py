@@ -100,6 +100,9 @@ class ModuleStats:
     # to every block) is counted once
     retained_inputs: list[list[list[int]]] = field(default_factory=list)
     outside_write_calls: list[int] = field(default_factory=list)  # outside_write_bytes per call
+    # whether a forward call writes in place any tensor made before it (those
+    # outside_write_bytes counts, and tensors the trace never saw made); True when unknown
+    writes_outside: bool = True
     saved_op_ids: list[int] = field(default_factory=list)
     discardable_bytes: int = 0
     tradeoff: list[list[float]] = field(default_factory=list)

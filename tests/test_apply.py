@@ -14,7 +14,7 @@ from torch import nn
 
 import autosac
 from autosac.models import build_model
-from autosac.solver import least_peak
+from autosac.solver import least_peak, plan_from_decisions
 from autosac.solver.problem import build_problem
 
 
@@ -239,6 +239,7 @@ class Gate(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc1 = nn.Linear(32, 256)
+        self.mid = nn.Linear(256, 256)
         self.fc2 = nn.Linear(256, 32)
         self.extra = False  # stands in for a data-dependent branch (fake-mode traces see no values)
 
@@ -246,30 +247,42 @@ class Gate(nn.Module):
         h = torch.tanh(self.fc1(x))
         if self.extra:
             h = torch.sigmoid(h) * h
-        return self.fc2(h)
+        return self.fc2(torch.relu(self.mid(h)))
 
 
-def test_a_call_that_departs_from_the_plan_runs_correctly_and_only_that_call_falls_back():
+@pytest.mark.parametrize("selective", [True, False])
+def test_a_call_that_departs_from_the_plan_runs_correctly_and_only_that_call_falls_back(selective):
+    """A checkpointed call that runs other ops than traced: exact gradients either
+    way.  A module the plan checkpoints selectively says so once (its saves and
+    skips no longer apply to that call); one recomputed whole runs as planned."""
     torch.manual_seed(0)
     model = Branchy()
     x = torch.rand(256, 32)
     stats = autosac.profile(model, x, target=A100_CPU_KERNELS)
     plan = autosac.solve(stats, _budget_between(stats, 0.0))
-    assert "gates.1" in plan.decisions
+    if not selective:  # the same module recomputed whole
+        fqn = next(iter(plan.details))
+        plan = plan_from_decisions(stats, {fqn: 1.0})
+        assert not plan.details[fqn].save
+    fqn = next(f for f, d in plan.details.items() if bool(d.save) == selective)
+    gate = int(fqn.split(".")[1])
     ref = copy.deepcopy(model)
     autosac.apply(model, plan)
-    ref.gates[1].extra = model.gates[1].extra = True  # the run takes a branch the trace did not
+    ref.gates[gate].extra = model.gates[gate].extra = True  # the run takes a branch the trace did not
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _assert_bitwise(ref, model, x)
         _assert_bitwise(ref, model, x)
     msgs = [w for w in caught if "autosac" in str(w.message)]
+    if not selective:
+        assert not msgs
+        return
     assert len(msgs) == 1, [str(w.message) for w in msgs]
     text = str(msgs[0].message)
-    assert "module 'gates.1' ran sigmoid as op call #3" in text and "recomputes every op" in text
+    assert f"module '{fqn}' ran sigmoid as op call #3" in text and "recomputes every op" in text
     assert msgs[0].filename == __file__  # attributed to the caller's code, not to torch or autosac
     # the branch goes away: the very next call is checkpointed as planned again
-    ref.gates[1].extra = model.gates[1].extra = False
+    ref.gates[gate].extra = model.gates[gate].extra = False
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _assert_bitwise(ref, model, x)
@@ -413,7 +426,8 @@ def test_replay_computes_only_what_the_discarded_activations_need():
 
 def _drive(call, module, x, policy_first: bool):
     """Run ``module(x)`` with ``call`` as SAC would drive it: the policy asked
-    after each op (torch >= 2.13) or before it (torch 2.11); returns the answers."""
+    after each op (torch >= 2.13) or before it (torch 2.11); returns the answers
+    and the ops asked about."""
     import types
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -421,13 +435,14 @@ def _drive(call, module, x, policy_first: bool):
 
     from autosac.opkinds import is_sac_ignored
 
-    answers = []
+    answers, funcs = [], []
 
     class Sac(TorchDispatchMode):
         def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
             kwargs = kwargs or {}
             if is_sac_ignored(func):
                 return func(*args, **kwargs)
+            funcs.append(func)
             if policy_first:
                 answers.append(call.policy_fn(types.SimpleNamespace(is_recompute=False), func, *args, **kwargs))
                 return call.forward_op(func, args, kwargs)
@@ -438,7 +453,7 @@ def _drive(call, module, x, policy_first: bool):
 
     with Sac():
         module(x)
-    return answers
+    return answers, funcs
 
 
 def test_the_policy_answers_the_same_asked_before_or_after_each_op():
@@ -460,7 +475,7 @@ def test_the_policy_answers_the_same_asked_before_or_after_each_op():
     for first in (False, True):
         policy = RegionPolicy.from_decision(plan.details[fqn])
         call = policy.start(block, (x,), {})
-        answers = _drive(call, block, x, first)
+        answers, funcs = _drive(call, block, x, first)
         runs.append((answers, call))
     (after, a), (before, b) = runs
     assert after == before and a.differs is None and b.differs is None
@@ -470,5 +485,58 @@ def test_the_policy_answers_the_same_asked_before_or_after_each_op():
     import types
 
     recompute = types.SimpleNamespace(is_recompute=True)
-    for func, forward_answers in b.answers.items():
+    for func in {id(f): f for f in funcs}.values():
+        forward_answers = [p for f, p in zip(funcs, before) if f is func]
         assert [b.policy_fn(recompute, func) for _ in forward_answers] == forward_answers
+
+
+class _Counting(nn.Module):
+    """Counts its calls in a buffer, but only when told to at run time."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 256), nn.Linear(256, 32)
+        self.register_buffer("calls", torch.zeros(()))
+        self.count = False
+
+    def forward(self, x):
+        if self.count:
+            self.calls.add_(1)
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def test_a_whole_module_recomputed_that_writes_what_its_trace_did_not_raises_in_backward():
+    """A module the plan recomputes whole is checkpointed without per-op
+    bookkeeping, which the trace allows only when the module writes nothing
+    made outside it.  A call that does write such a tensor (a branch the trace
+    did not take) cannot be replayed exactly: its backward says so in one line
+    rather than updating the buffer twice; calls that match run exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), _Counting(), _Counting(), nn.Linear(32, 32))
+    x = torch.rand(256, 32)
+    stats = autosac.profile(model, x, target=A100_CPU_KERNELS)
+    plan = plan_from_decisions(stats, {"1": 1.0})
+    assert not plan.details["1"].save and not plan.details["1"].writes_outside
+    ref = copy.deepcopy(model)
+    autosac.apply(model, plan)
+    _assert_bitwise(ref, model, x)
+    model[1].count = True
+    loss = model(x).sum()
+    assert model[1].calls.item() == 1
+    with pytest.raises(RuntimeError, match=r"module '1' cannot replay this call exactly: its forward wrote 1 "):
+        loss.backward()
+    assert model[1].calls.item() == 1  # never updated twice
+
+
+def test_a_module_that_writes_a_buffer_in_its_trace_is_checkpointed_with_its_writes_kept_once():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), _Counting(), _Counting(), nn.Linear(32, 32))
+    model[1].count = True
+    x = torch.rand(256, 32)
+    stats = autosac.profile(model, x, target=A100_CPU_KERNELS)
+    plan = plan_from_decisions(stats, {"1": 1.0})
+    assert plan.details["1"].writes_outside
+    ref = copy.deepcopy(model)
+    autosac.apply(model, plan)
+    _assert_bitwise(ref, model, x)
+    assert model[1].calls.item() == ref[1].calls.item() == 1

@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from autosac.dataflow import DataflowTracker, arg_storages, tensors_in
-from autosac.opkinds import is_random_op, is_sac_ignored, is_view_op, writes_input, written_tensors
+from autosac.opkinds import op_kind
 from autosac.plan import Decision
 from autosac.pystate import State, capture
 
@@ -56,6 +56,9 @@ class RegionPolicy:
     calls: list[tuple[str, tuple[int, ...]]]
     save: frozenset[int]
     skip: frozenset[int]
+    # recompute everything, and the trace saw no write to a tensor made outside:
+    # plain checkpointing does it, with no per-op work (see RegionCall.contexts)
+    plain: bool = False
     warned: set[str] = field(default_factory=set, repr=False)
 
     @classmethod
@@ -67,11 +70,14 @@ class RegionPolicy:
         skip = frozenset(int(i) for i in d.skip) - save
         if any(not 0 <= i < n for i in save | skip):
             raise ValueError(f"call index out of range in the decision for {d.fqn!r}")
-        return cls(d.fqn, calls, save, skip)
+        return cls(d.fqn, calls, save, skip, plain=not save and not bool(d.writes_outside))
 
     def start(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> RegionCall:
         """A new forward call of the module with these arguments."""
-        return RegionCall(self, capture(module, args, kwargs))
+        call = RegionCall(self, capture(module, args, kwargs))
+        if self.plain:
+            call.watch_versions([*module.buffers(), *tensors_in(args, kwargs)])
+        return call
 
     def warn(self, kind: str, message: str) -> None:
         if kind not in self.warned:
@@ -85,7 +91,8 @@ class RegionCall:
     def __init__(self, policy: RegionPolicy, state: State) -> None:
         self.policy = policy
         self.state = state
-        self.flow: DataflowTracker | None = DataflowTracker()
+        self.flow: DataflowTracker | None = None if policy.plain else DataflowTracker()
+        self.watched: list[tuple[torch.Tensor, int]] = []  # (tensor, its version) where plain
         self.n = 0
         self.last: tuple | None = None  # the call forward_op ran that SAC has not asked about yet
         self.pending: tuple | None = None  # SAC's answer for the call about to run, where it asks first
@@ -111,27 +118,28 @@ class RegionCall:
 
     def forward_op(self, func, args, kwargs):
         """Beneath SAC's caching mode: note reads and outside writes, run the op."""
-        if is_sac_ignored(func):
+        kind = op_kind(func)
+        if kind.ignored:
             return func(*args, **kwargs)
         storages = arg_storages(args, kwargs)
         deps = tuple(self.flow.reads(args, kwargs, storages))
-        written = written_tensors(func, args, kwargs)
+        written = kind.written_tensors(args, kwargs) if kind.written else []
+        writes = []
         for value in written:
             st = value.untyped_storage()
+            writes.append(id(st))
             if id(st) in self.read_cached and self.unsafe is None:
-                self.unsafe = (f"{func.overloadpacket.__name__} (op call #{self.n}) wrote a cached output in place "
+                self.unsafe = (f"{kind.name} (op call #{self.n}) wrote a cached output in place "
                                "after an op the replay re-runs had read it")
             if id(st) not in self.outside and not self.flow.produced_here(value):
                 self.outside[id(st)] = st.clone()
-        reads = [id(st) for st in storages]
-        writes = [id(t.untyped_storage()) for t in written]
         out = func(*args, **kwargs)
-        self.flow.record(self.n, func, args, kwargs, out, storages)
+        self.flow.record(self.n, func, args, kwargs, out, storages, written)
         pending, self.pending = self.pending, None
         if pending is not None and pending[0] == self.n and pending[1] is func:  # SAC asked before the call
-            self._note_outputs(self.n, func, pending[2], out, reads, writes)
+            self._note_outputs(self.n, kind, pending[2], out, storages, writes)
         else:
-            self.last = (self.n, func, deps, out, reads, writes)
+            self.last = (self.n, func, deps, out, storages, writes)
         self.n += 1
         return out
 
@@ -140,9 +148,9 @@ class RegionCall:
         ran, or, where SAC asks first, the one it is about to run (and, in
         torch < 2.13, again when backward re-runs it: the same answer)."""
         if ctx.is_recompute:
-            k = self.asked_again[func]
-            self.asked_again[func] = k + 1
-            answers = self.answers.get(func, ())
+            k = self.asked_again[id(func)]
+            self.asked_again[id(func)] = k + 1
+            answers = self.answers.get(id(func), ())
             return answers[k] if k < len(answers) else CheckpointPolicy.PREFER_RECOMPUTE
         if not hasattr(ctx, "op_output"):  # asked before the call runs
             decision = self._decide(self.n, func, tuple(self.flow.reads(args, kwargs)))
@@ -150,17 +158,17 @@ class RegionCall:
             return decision
         if self.last is None or self.last[1] is not func:  # cannot happen: keep the region correct anyway
             self._depart("ops", "ran op calls that could not be followed")
-            self.answers[func].append(CheckpointPolicy.PREFER_RECOMPUTE)
+            self.answers[id(func)].append(CheckpointPolicy.PREFER_RECOMPUTE)
             return CheckpointPolicy.PREFER_RECOMPUTE
         i, _, deps, out, reads, writes = self.last
         self.last = None
         decision = self._decide(i, func, deps)
-        self._note_outputs(i, func, decision, out, reads, writes)
+        self._note_outputs(i, op_kind(func), decision, out, reads, writes)
         return decision
 
     def _decide(self, i: int, func, deps: tuple) -> CheckpointPolicy:
         """Save or recompute op call ``i``; notes where the call departs from the trace."""
-        name = func.overloadpacket.__name__
+        name = op_kind(func).name
         calls = self.policy.calls
         if self.differs is None:
             if i >= len(calls):
@@ -171,29 +179,41 @@ class RegionCall:
                 self._depart("flow", f"ran op call #{i} ({name}) on other results than in the trace")
         decision = CheckpointPolicy.MUST_SAVE if self.differs is None and i in self.policy.save \
             else CheckpointPolicy.PREFER_RECOMPUTE
-        self.answers[func].append(decision)
+        self.answers[id(func)].append(decision)
         return decision
 
-    def _note_outputs(self, i: int, func, decision, out, reads: list[int], writes: list[int]) -> None:
-        """What the replay needs to know of call ``i`` once it ran."""
+    def _note_outputs(self, i: int, kind, decision, out, reads: list, writes: list[int]) -> None:
+        """What the replay needs to know of call ``i`` once it ran (``reads``: its arguments' storages)."""
         outs = [id(t.untyped_storage()) for t in tensors_in(out)]
         if decision == CheckpointPolicy.MUST_SAVE:
             self.cached.update(outs)
             self.read_cached.difference_update(outs)
             return
         skip = self.differs is None and i in self.policy.skip
-        if not skip:
-            self.read_cached.update(r for r in reads if r in self.cached)
+        if not skip and self.cached:
+            self.read_cached.update(id(st) for st in reads if id(st) in self.cached)
         if self.unsafe is None and any(w in self.cached for w in writes):
             # the cached value already holds this write: the replay would write it twice
-            self.unsafe = f"{func.overloadpacket.__name__} (op call #{i}), re-run in the replay, writes a cached output in place"
-        self.rerun[func.overloadpacket.__name__].append(tree_map(_shape_of, out) if skip else None)
+            self.unsafe = f"{kind.name} (op call #{i}), re-run in the replay, writes a cached output in place"
+        self.rerun[kind.name].append(_shape_of(out) if skip else None)
 
     def _depart(self, kind: str, what: str) -> None:
         self.differs, self.kind = what, kind
 
+    def watch_versions(self, tensors: list[torch.Tensor]) -> None:
+        """Plain checkpointing: note these tensors' versions, to tell after the
+        forward whether it wrote any of them in place (which the trace did not show)."""
+        self.watched = [(t, t._version) for t in tensors]
+
     def finish(self) -> None:
         """After the forward: report how this call departed from the plan."""
+        if self.policy.plain:
+            written = [t for t, v in self.watched if t._version != v]
+            self.watched = []
+            if written and self.unsafe is None:
+                self.unsafe = (f"its forward wrote {len(written)} tensor(s) made before it in place "
+                               f"(shape {tuple(written[0].shape)}), which the traced forward did not")
+            return
         if self.differs is None and self.n < len(self.policy.calls):
             self._depart("ops", f"ran {self.n} op calls where the trace ran {len(self.policy.calls)}")
         self.flow = None  # its weak references are no longer needed
@@ -217,27 +237,29 @@ class RegionCall:
         """Beneath SAC's recompute mode: skip dead calls; reads and writes of
         outside tensors the region writes go to ``local``, the replay's own copy
         of them as they were at the region's start."""
+        self.check_replayable()
+        if self.outside:
+            args, kwargs = tree_map(lambda a: self._local_view(a, local), (args, kwargs))
+        kind = op_kind(func)
+        if kind.ignored:
+            return func(*args, **kwargs)
+        name = kind.name
+        k = counts[name]
+        counts[name] = k + 1
+        queue = self.rerun.get(name, ())
+        shape = queue[k] if k < len(queue) else None
+        if shape is not None and self.may_skip and not kind.view and not kind.written and not kind.random:
+            return _empty_like_shape(shape)
+        return func(*args, **kwargs)
+
+    def check_replayable(self) -> None:
+        """Raise when this call's replay could not recompute what its forward computed."""
         if self.unsafe is not None:
             raise RuntimeError(
                 f"autosac: module '{self.policy.fqn}' cannot replay this call exactly: {self.unsafe} "
                 "(its forward departed from the traced one). Re-plan with the inputs you run, or unapply the "
                 "plan for this step"
             )
-        if self.outside:
-            args, kwargs = tree_map(lambda a: self._local_view(a, local), (args, kwargs))
-        if is_sac_ignored(func):
-            return func(*args, **kwargs)
-        name = func.overloadpacket.__name__
-        k = counts[name]
-        counts[name] = k + 1
-        queue = self.rerun.get(name, ())
-        shape = queue[k] if k < len(queue) else None
-        if (
-            shape is not None and self.may_skip and not is_view_op(func) and not writes_input(func)
-            and not is_random_op(func)
-        ):
-            return tree_map(_empty_like_shape, shape)
-        return func(*args, **kwargs)
 
     def _local_view(self, a, local: dict):
         if not isinstance(a, torch.Tensor):
@@ -252,7 +274,14 @@ class RegionCall:
 
     # -------------------------------------------------------- contexts
     def contexts(self):
-        """``context_fn`` for ``torch.utils.checkpoint``: (forward, recompute) contexts."""
+        """``context_fn`` for ``torch.utils.checkpoint``: (forward, recompute) contexts.
+
+        A region that recomputes everything and writes nothing made outside
+        (as traced) needs no per-op work: the forward runs as is and the
+        replay only swaps the Python state in.  Others get selective
+        checkpointing with the dispatch modes the module docstring describes."""
+        if self.policy.plain:
+            return contextlib.nullcontext(), _StateSwap(self)
         forward, recompute = create_selective_checkpoint_contexts(self.policy_fn, allow_cache_entry_mutation=True)
         return _Nested(_Forward(self), forward), _Nested(_Replay(self), recompute)
 
@@ -282,7 +311,18 @@ class RegionCall:
         return run
 
 
-class _Forward(TorchDispatchMode):
+class _Mode(TorchDispatchMode):
+    """A dispatch mode entered only inside ``torch.compiler.disable`` code (the
+    checkpointed forward and its replay): torch's per-op wrapper that keeps
+    Dynamo out of ``__torch_dispatch__`` is not needed, and costs a few
+    microseconds per op call."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+
+class _Forward(_Mode):
     def __init__(self, call: RegionCall) -> None:
         super().__init__()
         self.call = call
@@ -291,7 +331,7 @@ class _Forward(TorchDispatchMode):
         return self.call.forward_op(func, args, kwargs or {})
 
 
-class _Replay(TorchDispatchMode):
+class _Replay(_Mode):
     """Entered once per replay: the forward's starting Python state is swapped
     in for its duration, and the calls are counted from the start."""
 
@@ -319,6 +359,24 @@ class _Replay(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return self.call.replay_op(func, args, kwargs or {}, self.counts, self.local)
+
+
+class _StateSwap:
+    """The replay of a plainly checkpointed call: the forward's starting Python
+    state swapped in for its duration (re-enterable, like :class:`_Replay`)."""
+
+    def __init__(self, call: RegionCall) -> None:
+        self.call = call
+        self.after: list[State] = []
+
+    def __enter__(self):
+        self.call.check_replayable()
+        self.after.append(self.call.state.recapture())
+        self.call.state.install()
+        return self
+
+    def __exit__(self, *exc):
+        self.after.pop().install()
 
 
 class _Nested:
@@ -349,14 +407,22 @@ class _Shape:
 
 
 def _shape_of(x):
+    """An op's outputs with each tensor replaced by its :class:`_Shape`."""
     if isinstance(x, torch.Tensor):
         return _Shape(tuple(x.shape), tuple(x.stride()), x.dtype, x.device)
+    if isinstance(x, (list, tuple)):
+        out = [_shape_of(v) for v in x]
+        return out if isinstance(x, list) else tuple(out)
     return x
 
 
 def _empty_like_shape(x):
+    """Empty tensors where :func:`_shape_of` put shapes."""
     if isinstance(x, _Shape):
         return torch.empty_strided(x.size, x.stride, dtype=x.dtype, device=x.device)
+    if isinstance(x, (list, tuple)):
+        out = [_empty_like_shape(v) for v in x]
+        return out if isinstance(x, list) else tuple(out)
     return x
 
 

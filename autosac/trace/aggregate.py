@@ -264,6 +264,7 @@ def _module_stats(step: TracedStep, live: np.ndarray, times: _Times, saved: _Sav
             retained_input_bytes=sum(b for _, b, _ in retained[0]) if retained else 0,
             retained_input_calls=[sum(b for _, b, _ in call) for call in retained], retained_inputs=retained,
             outside_write_bytes=outside[0] if outside else 0, outside_write_calls=outside,
+            writes_outside=any(_writes_outside(rec, w) for w in windows),
             saved_op_ids=ids, discardable_bytes=sum(saved.ops[i].bytes for i in ids if _in_first(saved.ops[i], windows)),
             cache_holds=sorted([e, b] for e, b in cache_holds.get(fqn, {}).items()),
             tradeoff=curve, tradeoff_exact_points=len(curve),
@@ -294,6 +295,12 @@ def _outside_writes(rec, window) -> int:
     start, end = window
     storages = {sid: b for e, items in rec.written.items() if start <= e < end for p, sid, b in items if p < start}
     return sum(storages.values())
+
+
+def _writes_outside(rec, window) -> bool:
+    """Whether one forward call writes in place any tensor made before it."""
+    start, end = window
+    return any(p < start for e, items in rec.written.items() if start <= e < end for p, _, _ in items)
 
 
 def stack_subtree(fqn: str, children: dict[str, list[str]]) -> list[str]:

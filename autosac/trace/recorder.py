@@ -537,6 +537,8 @@ class StepRecorder(TorchDispatchMode):
                     if r.producer != idx and r.producer >= 0:
                         r.writers.append(idx)
                     rec.written.setdefault(idx, []).append((r.producer, self.index_of(t), r.nbytes))
+                else:  # a tensor the trace never saw made (a global, say): made before any call
+                    rec.written.setdefault(idx, []).append((-1, -1, 0))
         if phase == "forward":
             self._note_param_use(func, args, outs)
             if _number_in_tensor_slot(func, args, kwargs):
