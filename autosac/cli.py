@@ -136,6 +136,19 @@ def cmd_verify(args) -> int:
     return verify_plan_file(args)
 
 
+def cmd_build_native(args) -> int:
+    from autosac import native
+
+    try:
+        where = native.build(verbose=args.verbose)
+    except native.NativeBuildError as e:
+        print(f"autosac: error: {e} (run with --verbose for the compiler's output)", file=sys.stderr)
+        return 2
+    kernels = "CPU and CUDA" if native.has_cuda_kernel() else "CPU"
+    print(f"autosac: native pack_downcast built ({kernels}) in {where}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="autosac", description="Fit a PyTorch training step into a memory budget.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -155,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     _model_options(v)
     v.add_argument("--steps", type=int, default=3)
     v.set_defaults(func=cmd_verify)
+    b = sub.add_parser("build-native", help="compile the native pack_downcast op now (else: on first use)")
+    b.add_argument("--verbose", action="store_true", help="show the compiler's commands and output")
+    b.set_defaults(func=cmd_build_native)
 
     args = parser.parse_args(argv)
     # autosac's own warnings in one line; PyTorch's internal ones are not the user's concern

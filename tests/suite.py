@@ -123,3 +123,31 @@ def seeded(factory, seed: int = 0):
 
 
 __all__ = ["A100_CPU_KERNELS", "Row", "assert_same_step", "check_model", "seeded", "training_step"]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(target, world, *args, timeout_s: float = 120) -> None:
+    """Run ``target(rank, world, port, *args)`` in ``world`` spawned processes
+    (a gloo process group's ranks), bounded in time; fail if any fails."""
+    import pytest
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout_s)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            pytest.fail("a rank timed out")
+        assert p.exitcode == 0

@@ -2,38 +2,15 @@
 equal to the unsharded, unplanned model's."""
 
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from suite import free_port, run_ranks
 
 import autosac
 from autosac.models import build_model
 
 CFG = dict(n_layer=2, dim=64, n_head=4, seq=64, vocab=128, batch=4)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run_ranks(target, world, *args) -> None:
-    """Run ``target(rank, world, port, *args)`` in ``world`` spawned processes, bounded in time."""
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            pytest.fail("FSDP worker timed out")
-        assert p.exitcode == 0
 
 
 def _worker(rank, world, port, plan_json, out_dir):
@@ -71,7 +48,7 @@ def test_plan_composes_with_fully_shard(tmp_path):
     loss.backward()
     ref = {n: p.grad for n, p in model.named_parameters()}
 
-    _run_ranks(_worker, 2, plan.to_json(), str(tmp_path))
+    run_ranks(_worker, 2, plan.to_json(), str(tmp_path))
     got = torch.load(tmp_path / "fsdp.pt")
     assert torch.equal(got["loss"], loss.detach())
     for name, g in ref.items():
@@ -114,7 +91,7 @@ def _peak_worker(rank, world, port, plan_json, out_dir, mixed=None, plain_checkp
 
 
 def _fsdp_peak(tmp_path, world, plan, mixed=None, plain_checkpoint=None, units=None) -> int:
-    _run_ranks(_peak_worker, world, plan.to_json() if plan is not None else None, tmp_path, mixed, plain_checkpoint,
+    run_ranks(_peak_worker, world, plan.to_json() if plan is not None else None, tmp_path, mixed, plain_checkpoint,
                units)
     return max(int((tmp_path / f"rank{r}").read_text()) for r in range(world))
 
@@ -233,7 +210,7 @@ def test_a_model_already_sharded_is_refused_with_its_units():
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         model, idx = build_model("gpt2", device="cpu", batch=4, **MEM_CFG)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from autosac.cache import cache_root
+
 
 def _machine_key() -> str:
     return f"{platform.machine()}-{os.cpu_count()}cpu-{torch.get_num_threads()}threads-torch{torch.__version__}"
@@ -26,12 +28,8 @@ def _machine_key() -> str:
 
 def cache_path() -> Path | None:
     """Where timings for this machine are kept, or None when disk caching is off."""
-    root = os.environ.get("AUTOSAC_CACHE_DIR")
-    if root == "":
-        return None
-    if root is None:
-        root = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "autosac")
-    return Path(root) / f"cpu-timings-{_machine_key()}.json"
+    root = cache_root()
+    return None if root is None else root / f"cpu-timings-{_machine_key()}.json"
 
 
 class TimingCache:

@@ -1,0 +1,166 @@
+"""The native pack_downcast op and the downcast gather: bitwise equal to casting
+each tensor with PyTorch, in fake mode too, over real gloo processes."""
+
+import os
+import shutil
+import subprocess
+import warnings
+
+import pytest
+import torch
+from suite import run_ranks
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from autosac import native, ops
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+def _reference(tensors, dtype):
+    return torch.cat([t.reshape(-1) for t in tensors]).to(dtype)
+
+
+def _special_values() -> torch.Tensor:
+    f32 = torch.float32
+    ties = torch.tensor([0x3F808000, 0x3F818000, 0x3F80C000, 0x477FF000, 0x477FE000], dtype=torch.int32).view(f32)
+    return torch.cat([
+        torch.tensor([0.0, -0.0, 1.0, -1.5, 65504.0, 65520.0, 1e9, -1e9, 1e-40, -1e-45, 5.96e-8, 3e-8,
+                      float("inf"), float("-inf"), float("nan"), -float("nan")]),
+        ties,  # halfway cases: round to even
+        torch.tensor([0x7F800001, 0x7FC00001, 0xFFFFFFFF - 2**32], dtype=torch.int64).to(torch.int32).view(f32),
+    ])
+
+
+def test_the_native_op_builds_here():
+    assert native.available(), native._state["reason"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pack_downcast_is_bitwise_a_cast_of_each_tensor(dtype):
+    torch.manual_seed(0)
+    tensors = [_special_values(), torch.randn(1000, 37) * 1e3, torch.empty(0), torch.randn(3, 5).t(),
+               torch.randn(7, 1, 2)[:, :, 1], torch.randn(()), *(torch.randn(i * 17 + 1) for i in range(100))]
+    out = ops.pack_downcast(tensors, dtype)
+    assert out.dtype == dtype and out.shape == (sum(t.numel() for t in tensors),)
+    assert torch.equal(_bits(out), _bits(_reference(tensors, dtype)))
+    assert torch.equal(_bits(ops._fallback(tensors, dtype)), _bits(out))  # the fallback gives the same bits
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pack_downcast_splits_work_across_threads_at_any_shard_boundary(dtype):
+    """Ranges of the parallel loop start inside shards and run over many."""
+    torch.manual_seed(1)
+    sizes = [1, 70_001, 3, 0, 131_071, 65_536, 5, 200_000]
+    tensors = [torch.randn(n) for n in sizes]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = ops.pack_downcast(tensors, dtype)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(_bits(out), _bits(_reference(tensors, dtype)))
+
+
+def test_pack_downcast_traces_in_fake_mode_and_on_meta():
+    with FakeTensorMode():
+        out = ops.pack_downcast([torch.empty(4, 5), torch.empty(3)], torch.bfloat16)
+    assert out.shape == (23,) and out.dtype == torch.bfloat16
+    meta = torch.ops.autosac.pack_downcast([torch.empty(8, device="meta")], torch.float16)
+    assert meta.shape == (8,) and meta.dtype == torch.float16 and meta.is_meta
+
+
+@pytest.mark.parametrize("bad, dtype, error, match", [
+    ([], torch.bfloat16, ValueError, "at least one tensor"),
+    (torch.ones(3), torch.bfloat16, TypeError, "list of tensors"),
+    ([torch.ones(3), 1.0], torch.bfloat16, TypeError, "found a float"),
+    ([torch.ones(3, dtype=torch.float64)], torch.bfloat16, ValueError, "must be float32"),
+    ([torch.ones(3)], torch.float32, ValueError, "bfloat16 or torch.float16"),
+    ([torch.ones(3), torch.ones(2, device="meta")], torch.bfloat16, ValueError, "more than one device"),
+])
+def test_pack_downcast_bad_input_is_one_clear_error(bad, dtype, error, match):
+    with pytest.raises(error, match=match):
+        ops.pack_downcast(bad, dtype)
+
+
+def test_without_a_build_the_fallback_runs_after_one_warning(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "SOURCES", tmp_path)  # no sources: cannot build
+    monkeypatch.setattr(native, "_state", {"loaded": False, "reason": None, "warned": False})
+    tensors = [torch.randn(100), torch.randn(3, 3)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a = ops.pack_downcast(tensors, torch.bfloat16)
+        b = ops.pack_downcast(tensors, torch.bfloat16)
+    said = [str(w.message) for w in caught if "autosac" in str(w.message)]
+    assert len(said) == 1 and "native sources not found" in said[0] and "PyTorch fallback" in said[0]
+    assert torch.equal(_bits(a), _bits(_reference(tensors, torch.bfloat16))) and torch.equal(_bits(a), _bits(b))
+    with pytest.raises(native.NativeBuildError, match="native sources not found"):
+        native.build()
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_the_cuda_kernel_compiles(tmp_path):
+    src = native.SOURCES / "pack_downcast_cuda.cu"
+    done = subprocess.run(["nvcc", "-std=c++17", "-c", str(src), "-o", str(tmp_path / "k.o")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _gather_worker(rank, world, port):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(rank)
+        shards = [torch.randn(4, 3) * 100, torch.randn(7), torch.randn(2, 2, 2), _special_values()]
+        handed = []  # bytes handed to the collective, counted at its input
+        real = dist.all_gather_single
+
+        def counting(output, input, *args, **kwargs):
+            handed.append(input.numel() * input.element_size())
+            return real(output, input, *args, **kwargs)
+
+        dist.all_gather_single = counting
+        try:
+            fused = ops.allgather_downcast(shards, torch.bfloat16)
+            fp32 = [torch.empty(world * s.numel()) for s in shards]
+            for s, out in zip(shards, fp32):
+                dist.all_gather_single(out, s.reshape(-1).contiguous())
+        finally:
+            dist.all_gather_single = real
+        fused_bytes, fp32_bytes = handed[0], sum(handed[1:])
+        assert fused_bytes * 2 == fp32_bytes
+        for s, got, ref in zip(shards, fused, fp32):
+            assert got.shape == (world, *s.shape) and got.dtype == torch.bfloat16
+            expect = ref.view(world, *s.shape).to(torch.bfloat16)
+            assert torch.equal(got.view(torch.int16), expect.view(torch.int16))
+        assert torch.equal(fused[0][rank].view(torch.int16), shards[0].to(torch.bfloat16).view(torch.int16))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_allgather_downcast_equals_gather_then_cast_with_half_the_bytes(world):
+    native.available()  # build once here, not in every rank
+    run_ranks(_gather_worker, world)
+
+
+def test_allgather_downcast_needs_a_process_group():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ops.allgather_downcast([torch.ones(3)], torch.bfloat16)
+
+
+def test_build_native_from_the_cli(capsys, monkeypatch, tmp_path):
+    from autosac.cli import main
+
+    assert main(["build-native"]) == 0
+    assert "native pack_downcast built (CPU" in capsys.readouterr().out
+    monkeypatch.setattr(native, "SOURCES", tmp_path)
+    monkeypatch.setattr(native, "_state", {"loaded": False, "reason": None, "warned": False})
+    assert main(["build-native"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("autosac: error: native sources not found")
