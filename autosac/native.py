@@ -71,7 +71,8 @@ def build(verbose: bool = False) -> str:
     """
     if _state["loaded"]:
         return _state["where"]
-    names = _CPU + (_CUDA if _with_cuda() else ())
+    cuda = _with_cuda()
+    names = _CPU + (_CUDA if cuda else ())
     files = [SOURCES / n for n in names]
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
@@ -90,7 +91,7 @@ def build(verbose: bool = False) -> str:
     except Exception as e:  # compiler missing or failing, ninja missing, a load error
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise NativeBuildError(f"building the native op failed: {first}") from e
-    _state.update(loaded=True, where=str(where))
+    _state.update(loaded=True, where=str(where), cuda=cuda)
     return str(where)
 
 
@@ -120,4 +121,4 @@ def available() -> bool:
 
 def has_cuda_kernel() -> bool:
     """Whether the loaded native op has its CUDA kernel (built where PyTorch has CUDA)."""
-    return _state["loaded"] and torch._C._dispatch_has_kernel_for_dispatch_key("autosac::pack_downcast", "CUDA")
+    return bool(_state["loaded"] and _state.get("cuda"))

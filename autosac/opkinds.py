@@ -88,11 +88,6 @@ def is_view_op(func) -> bool:
     return op_kind(func).view
 
 
-def written_args(func) -> tuple[str, ...]:
-    """Names of the arguments the op writes in place (empty for functional ops)."""
-    return tuple(name for _, name in op_kind(func).written)
-
-
 def writes_input(func) -> bool:
     """True when the op writes into one of its inputs (``add_``, ``copy_``, batch norm's running stats)."""
     return bool(op_kind(func).written)

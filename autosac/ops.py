@@ -77,9 +77,8 @@ def pack_downcast(tensors, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """
     tensors = _check(tensors, dtype)
     device = tensors[0].device.type
-    if device in ("cpu", "meta") or (device == "cuda" and torch.version.cuda is not None):
-        if native.available() and (device != "cuda" or native.has_cuda_kernel()):
-            return torch.ops.autosac.pack_downcast(tensors, dtype)
+    if device in ("cpu", "meta", "cuda") and native.available() and (device != "cuda" or native.has_cuda_kernel()):
+        return torch.ops.autosac.pack_downcast(tensors, dtype)
     return _fallback(tensors, dtype)
 
 

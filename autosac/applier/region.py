@@ -311,18 +311,7 @@ class RegionCall:
         return run
 
 
-class _Mode(TorchDispatchMode):
-    """A dispatch mode entered only inside ``torch.compiler.disable`` code (the
-    checkpointed forward and its replay): torch's per-op wrapper that keeps
-    Dynamo out of ``__torch_dispatch__`` is not needed, and costs a few
-    microseconds per op call."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False
-
-
-class _Forward(_Mode):
+class _Forward(TorchDispatchMode):
     def __init__(self, call: RegionCall) -> None:
         super().__init__()
         self.call = call
@@ -331,7 +320,7 @@ class _Forward(_Mode):
         return self.call.forward_op(func, args, kwargs or {})
 
 
-class _Replay(_Mode):
+class _Replay(TorchDispatchMode):
     """Entered once per replay: the forward's starting Python state is swapped
     in for its duration, and the calls are counted from the start."""
 

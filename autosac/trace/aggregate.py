@@ -244,7 +244,7 @@ def _module_stats(step: TracedStep, live: np.ndarray, times: _Times, saved: _Sav
             _retained_inputs(rec, inputs, span)
             for inputs, span in zip(rec.input_storages.get(fqn, []), bw_calls)
         ]
-        outside = [_outside_writes(rec, w) for w in windows]
+        outside = [_outside_writes(rec, w) for w in windows]  # per call: (bytes, whether any)
         curve = exact_curve([(saved.ops[i].bytes, saved.ops[i].ms) for i in ids if _in_first(saved.ops[i], windows)])
         modules[fqn] = ModuleStats(
             fqn=fqn, type=mtype, parent=parent_of.get(fqn), children=list(step.module_children[fqn]),
@@ -263,8 +263,8 @@ def _module_stats(step: TracedStep, live: np.ndarray, times: _Times, saved: _Sav
             recompute_profile=profiles.get(fqn, []),
             retained_input_bytes=sum(b for _, b, _ in retained[0]) if retained else 0,
             retained_input_calls=[sum(b for _, b, _ in call) for call in retained], retained_inputs=retained,
-            outside_write_bytes=outside[0] if outside else 0, outside_write_calls=outside,
-            writes_outside=any(_writes_outside(rec, w) for w in windows),
+            outside_write_bytes=outside[0][0] if outside else 0, outside_write_calls=[b for b, _ in outside],
+            writes_outside=any(any_write for _, any_write in outside),
             saved_op_ids=ids, discardable_bytes=sum(saved.ops[i].bytes for i in ids if _in_first(saved.ops[i], windows)),
             cache_holds=sorted([e, b] for e, b in cache_holds.get(fqn, {}).items()),
             tradeoff=curve, tradeoff_exact_points=len(curve),
@@ -288,19 +288,15 @@ def _retained_inputs(rec, inputs: list[int], bw_span) -> list[list[int]]:
     ]
 
 
-def _outside_writes(rec, window) -> int:
+def _outside_writes(rec, window) -> tuple[int, bool]:
     """Bytes of the storages one forward call writes in place that were made
     before it (buffers, parameters, inputs): a checkpoint keeps a copy of each
-    as it was until its replay, which reads and writes that copy instead."""
+    as it was until its replay, which reads and writes that copy instead; and
+    whether it writes any such tensor (tensors the trace never saw made count,
+    with no bytes)."""
     start, end = window
     storages = {sid: b for e, items in rec.written.items() if start <= e < end for p, sid, b in items if p < start}
-    return sum(storages.values())
-
-
-def _writes_outside(rec, window) -> bool:
-    """Whether one forward call writes in place any tensor made before it."""
-    start, end = window
-    return any(p < start for e, items in rec.written.items() if start <= e < end for p, _, _ in items)
+    return sum(storages.values()), bool(storages)
 
 
 def stack_subtree(fqn: str, children: dict[str, list[str]]) -> list[str]:
