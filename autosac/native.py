@@ -85,7 +85,7 @@ def build(verbose: bool = False) -> str:
     where.mkdir(parents=True, exist_ok=True)
     try:
         cpp_extension.load(
-            name=name, sources=[str(f) for f in files], extra_cflags=["-O3"],
+            name=name, sources=[str(f) for f in files], extra_cflags=["-O3", "-fopenmp"],
             extra_cuda_cflags=["-O3"], build_directory=str(where), is_python_module=False, verbose=verbose,
         )
     except Exception as e:  # compiler missing or failing, ninja missing, a load error

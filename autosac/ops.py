@@ -43,8 +43,22 @@ def _check(tensors, dtype) -> list[torch.Tensor]:
     return tensors
 
 
-def _fallback(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    out = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=tensors[0].device)
+def _check_out(tensors: list[torch.Tensor], dtype: torch.dtype, out: torch.Tensor) -> None:
+    total = sum(t.numel() for t in tensors)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a tensor, got {type(out).__name__}")
+    if out.dtype != dtype or out.dim() != 1 or not out.is_contiguous() or out.numel() != total:
+        raise ValueError(
+            f"out must be a contiguous 1-D {dtype} tensor of {total} elements, got a "
+            f"{'contiguous' if out.is_contiguous() else 'non-contiguous'} {out.dtype} tensor of shape {tuple(out.shape)}"
+        )
+    if out.device != tensors[0].device:
+        raise ValueError(f"out is on {out.device}, the tensors on {tensors[0].device}")
+
+
+def _fallback(tensors: list[torch.Tensor], dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        out = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=tensors[0].device)
     offset = 0
     for t in tensors:
         out[offset : offset + t.numel()].copy_(t.reshape(-1))
@@ -52,12 +66,15 @@ def _fallback(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def pack_downcast(tensors, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def pack_downcast(tensors, dtype: torch.dtype = torch.bfloat16, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Cast float32 tensors to ``dtype`` into one flat buffer, in one pass.
 
     Args:
         tensors: float32 tensors on one device (any shapes; non-contiguous ones are read in order).
         dtype: ``torch.bfloat16`` or ``torch.float16``.
+        out: a buffer to write into (contiguous, 1-D, ``dtype``, as many
+            elements as the tensors hold together), e.g. this rank's slice of
+            an all-gather buffer.  A new buffer is made without it.
 
     Returns:
         A 1-D tensor of ``dtype`` holding each tensor's elements in turn,
@@ -68,7 +85,8 @@ def pack_downcast(tensors, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     Raises:
         TypeError: ``tensors`` is not a list of tensors.
         ValueError: an empty list, a tensor that is not float32, tensors on
-            several devices, or another ``dtype``.
+            several devices, another ``dtype``, or an ``out`` of the wrong
+            dtype, size, layout or device (checked before anything is written).
 
     Example::
 
@@ -76,10 +94,14 @@ def pack_downcast(tensors, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         torch.Size([10])
     """
     tensors = _check(tensors, dtype)
+    if out is not None:
+        _check_out(tensors, dtype, out)
     device = tensors[0].device.type
     if device in ("cpu", "meta", "cuda") and native.available() and (device != "cuda" or native.has_cuda_kernel()):
-        return torch.ops.autosac.pack_downcast(tensors, dtype)
-    return _fallback(tensors, dtype)
+        if out is None:
+            return torch.ops.autosac.pack_downcast(tensors, dtype)
+        return torch.ops.autosac.pack_downcast.out(tensors, dtype, out=out)
+    return _fallback(tensors, dtype, out)
 
 
 def allgather_downcast(tensors, dtype: torch.dtype = torch.bfloat16, group=None) -> list[torch.Tensor]:
@@ -112,12 +134,14 @@ def allgather_downcast(tensors, dtype: torch.dtype = torch.bfloat16, group=None)
     tensors = _check(tensors, dtype)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("allgather_downcast needs torch.distributed initialised (dist.init_process_group)")
-    world = dist.get_world_size(group)
-    packed = pack_downcast(tensors, dtype)
-    gathered = torch.empty(world * packed.numel(), dtype=dtype, device=packed.device)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    n = sum(t.numel() for t in tensors)
+    gathered = torch.empty(world * n, dtype=dtype, device=tensors[0].device)
+    mine = gathered[rank * n : (rank + 1) * n]
+    pack_downcast(tensors, dtype, out=mine)  # straight into this rank's slice: the gather runs in place
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(gathered, packed, group=group)
-    rows = gathered.view(world, packed.numel())
+    gather(gathered, mine, group=group)
+    rows = gathered.view(world, n)
     out, offset = [], 0
     for t in tensors:
         out.append(rows[:, offset : offset + t.numel()].view(world, *t.shape))

@@ -33,7 +33,15 @@ static inline uint16_t bf16_bits(float f) {
   return static_cast<uint16_t>(nan ? 0xffffu : rounded);
 }
 
-static void convert_bf16(const float* src, uint16_t* dst, int64_t n) {
+// Compiled for AVX-512, AVX2 and baseline x86-64, picked at load time by the
+// CPU (GCC function multiversioning); elsewhere one portable version.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define AUTOSAC_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define AUTOSAC_CLONES
+#endif
+
+AUTOSAC_CLONES static void convert_bf16(const float* src, uint16_t* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     dst[i] = bf16_bits(src[i]);
   }
@@ -41,7 +49,7 @@ static void convert_bf16(const float* src, uint16_t* dst, int64_t n) {
 
 // float32 -> float16, IEEE round to nearest even; a NaN keeps its sign and top
 // payload bits and is made quiet, as PyTorch's CPU conversion (F16C) writes it.
-static void convert_f16(const float* src, uint16_t* dst, int64_t n) {
+AUTOSAC_CLONES static void convert_f16(const float* src, uint16_t* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     uint32_t u;
     std::memcpy(&u, &src[i], sizeof(u));
@@ -72,8 +80,9 @@ static std::vector<int64_t> offsets_of(at::TensorList shards) {
   return offsets;
 }
 
-at::Tensor pack_downcast_cpu(at::TensorList shards, at::ScalarType dtype) {
-  check_inputs(shards, dtype);
+// Writes the shards' downcast elements into `out` (1-D, contiguous, `dtype`,
+// as many elements as the shards hold together).
+static void pack_into(at::TensorList shards, at::ScalarType dtype, const at::Tensor& out) {
   std::vector<at::Tensor> src;
   src.reserve(shards.size());
   for (const auto& t : shards) {
@@ -81,16 +90,15 @@ at::Tensor pack_downcast_cpu(at::TensorList shards, at::ScalarType dtype) {
   }
   const auto offsets = offsets_of(src);
   const int64_t total = offsets.back();
-  at::Tensor out = at::empty({total}, src[0].options().dtype(dtype));
   if (total == 0) {
-    return out;
+    return;
   }
   std::vector<const float*> ptrs(src.size());
   for (size_t i = 0; i < src.size(); ++i) {
     ptrs[i] = src[i].data_ptr<float>();
   }
   const bool bf16 = dtype == at::kBFloat16;
-  char* base = static_cast<char*>(out.data_ptr());
+  uint16_t* base = static_cast<uint16_t*>(out.data_ptr());
   constexpr int64_t kGrain = 1 << 16;
   at::parallel_for(0, total, kGrain, [&](int64_t begin, int64_t end) {
     // the shard holding element `begin`, then on through the shards this range covers
@@ -103,13 +111,49 @@ at::Tensor pack_downcast_cpu(at::TensorList shards, at::ScalarType dtype) {
       const int64_t stop = std::min(end, offsets[s + 1]);
       const float* from = ptrs[s] + (pos - offsets[s]);
       if (bf16) {
-        convert_bf16(from, reinterpret_cast<uint16_t*>(base) + pos, stop - pos);
+        convert_bf16(from, base + pos, stop - pos);
       } else {
-        convert_f16(from, reinterpret_cast<uint16_t*>(base) + pos, stop - pos);
+        convert_f16(from, base + pos, stop - pos);
       }
       pos = stop;
     }
   });
+}
+
+static int64_t total_numel(at::TensorList shards) {
+  int64_t total = 0;
+  for (const auto& t : shards) {
+    total += t.numel();
+  }
+  return total;
+}
+
+static void check_out(at::TensorList shards, at::ScalarType dtype, const at::Tensor& out) {
+  TORCH_CHECK(out.scalar_type() == dtype, "pack_downcast: out has dtype ", out.scalar_type(), ", expected ", dtype);
+  TORCH_CHECK(out.dim() == 1 && out.is_contiguous(), "pack_downcast: out must be a contiguous 1-D tensor");
+  TORCH_CHECK(out.device() == shards[0].device(), "pack_downcast: out is on ", out.device(), ", the tensors on ",
+              shards[0].device());
+  TORCH_CHECK(out.numel() == total_numel(shards), "pack_downcast: out holds ", out.numel(),
+              " elements, the tensors ", total_numel(shards));
+}
+
+at::Tensor pack_downcast_cpu(at::TensorList shards, at::ScalarType dtype) {
+  check_inputs(shards, dtype);
+  at::Tensor out = at::empty({total_numel(shards)}, shards[0].options().dtype(dtype));
+  pack_into(shards, dtype, out);
+  return out;
+}
+
+at::Tensor& pack_downcast_out_cpu(at::TensorList shards, at::ScalarType dtype, at::Tensor& out) {
+  check_inputs(shards, dtype);
+  check_out(shards, dtype, out);
+  pack_into(shards, dtype, out);
+  return out;
+}
+
+at::Tensor& pack_downcast_out_meta(at::TensorList shards, at::ScalarType dtype, at::Tensor& out) {
+  check_inputs(shards, dtype);
+  TORCH_CHECK(out.scalar_type() == dtype, "pack_downcast: out has dtype ", out.scalar_type(), ", expected ", dtype);
   return out;
 }
 
@@ -126,12 +170,15 @@ at::Tensor pack_downcast_meta(at::TensorList shards, at::ScalarType dtype) {
 
 TORCH_LIBRARY(autosac, m) {
   m.def("pack_downcast(Tensor[] shards, ScalarType dtype) -> Tensor");
+  m.def("pack_downcast.out(Tensor[] shards, ScalarType dtype, *, Tensor(a!) out) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(autosac, CPU, m) {
   m.impl("pack_downcast", &autosac::pack_downcast_cpu);
+  m.impl("pack_downcast.out", &autosac::pack_downcast_out_cpu);
 }
 
 TORCH_LIBRARY_IMPL(autosac, Meta, m) {
   m.impl("pack_downcast", &autosac::pack_downcast_meta);
+  m.impl("pack_downcast.out", &autosac::pack_downcast_out_meta);
 }

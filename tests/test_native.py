@@ -47,7 +47,7 @@ def test_pack_downcast_is_bitwise_a_cast_of_each_tensor(dtype):
     out = ops.pack_downcast(tensors, dtype)
     assert out.dtype == dtype and out.shape == (sum(t.numel() for t in tensors),)
     assert torch.equal(_bits(out), _bits(_reference(tensors, dtype)))
-    assert torch.equal(_bits(ops._fallback(tensors, dtype)), _bits(out))  # the fallback gives the same bits
+    assert torch.equal(_bits(ops._fallback(tensors, dtype, None)), _bits(out))  # the fallback gives the same bits
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -63,6 +63,36 @@ def test_pack_downcast_splits_work_across_threads_at_any_shard_boundary(dtype):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(_bits(out), _bits(_reference(tensors, dtype)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pack_downcast_writes_into_a_given_buffer(dtype):
+    torch.manual_seed(2)
+    tensors = [torch.randn(300_001), _special_values(), torch.randn(17, 3).t()]
+    total = sum(t.numel() for t in tensors)
+    buffer = torch.full((total + 10,), 7.0, dtype=dtype)
+    out = ops.pack_downcast(tensors, dtype, out=buffer[5:-5])
+    assert out.data_ptr() == buffer[5:].data_ptr()
+    assert torch.equal(_bits(buffer[5:-5]), _bits(_reference(tensors, dtype)))
+    assert (buffer[:5] == 7).all() and (buffer[-5:] == 7).all()  # nothing written outside
+    fallback = torch.empty(total, dtype=dtype)
+    ops._fallback(tensors, dtype, fallback)
+    assert torch.equal(_bits(fallback), _bits(out))
+
+
+@pytest.mark.parametrize("out, match", [
+    (torch.empty(11, dtype=torch.bfloat16), "of 10 elements"),
+    (torch.empty(10, dtype=torch.float16), "bfloat16 tensor of 10"),
+    (torch.empty(20, dtype=torch.bfloat16)[::2], "non-contiguous"),
+    (torch.empty(2, 5, dtype=torch.bfloat16), "1-D"),
+    (torch.empty(10, dtype=torch.bfloat16, device="meta"), "out is on meta"),
+])
+def test_a_wrong_out_buffer_is_refused_before_anything_is_written(out, match):
+    before = out.clone() if not out.is_meta else None
+    with pytest.raises(ValueError, match=match):
+        ops.pack_downcast([torch.randn(4), torch.randn(6)], torch.bfloat16, out=out)
+    if before is not None:
+        assert torch.equal(_bits(out.contiguous()), _bits(before.contiguous()))
 
 
 def test_pack_downcast_traces_in_fake_mode_and_on_meta():
