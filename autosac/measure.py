@@ -40,12 +40,18 @@ class Measurement:
 def _storage_bytes(tensors) -> int:
     """Bytes of the distinct storages of ``tensors`` on this process (a
     sharded DTensor counts its local shard)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
     seen = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            local = t.to_local() if hasattr(t, "to_local") else t
-            st = local.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
+    todo = [t for t in tensors if isinstance(t, torch.Tensor)]
+    while todo:
+        t = todo.pop()
+        if is_traceable_wrapper_subclass(t):  # a DTensor, autosac.zero3's shards: count what they hold
+            inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])
+            todo.extend(x for x in inner if isinstance(x, torch.Tensor))
+            continue
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
 
 

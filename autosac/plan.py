@@ -91,6 +91,7 @@ class Plan:
     device: str = ""  # the device class whose kernels it names: "cuda" or "cpu"
     autocast: str = ""  # the step runs under torch.autocast in this dtype ("bfloat16"), or ""
     sharding: str = ""  # with world_size > 1: how the FSDP2 units were chosen ("13 units one per block, and the root")
+    gathered_dtypes: dict[str, str] = field(default_factory=dict)  # params it counts gathered downcast (autosac.zero3)
     format: int = PLAN_FORMAT
 
     @property

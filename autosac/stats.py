@@ -38,6 +38,7 @@ class SavedOp:
     view: bool = False
     inplace: bool = False
     param_cast: bool = False
+    param: str = ""  # param_cast: the fqn of the parameter it is a cast of
     writer_events: list[int] = field(default_factory=list)
     savers: list[str] = field(default_factory=list)  # innermost module of each op that saved it
     remade_at: int = -1  # parameter casts: the first backward event of the ops that saved it
@@ -199,6 +200,8 @@ class ModelStats:
     autocast: str = ""  # the dtype the forward was traced under torch.autocast in ("bfloat16"), or ""
     shard_units: list[str] = field(default_factory=list)  # FSDP2 units as given to profile; [] = one per block
     checkpoint_state_bytes: int = 0  # what each checkpoint call keeps besides inputs: the saved RNG state
+    # parameters FSDP2 gathers in another dtype than their own (autosac.zero3's downcast gather): fqn -> dtype
+    gathered_dtypes: dict[str, str] = field(default_factory=dict)
     format: int = STATS_FORMAT
 
     def to_json(self) -> str:

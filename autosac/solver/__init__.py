@@ -244,6 +244,7 @@ def _make_plan(stats: ModelStats, problem: Problem, choice: dict[int, int], budg
         versions=dict(stats.versions), input_shapes=[list(x) for x in stats.input_shapes],
         device=stats.target.get("device_type", ""), autocast=stats.autocast,
         sharding=describe_units(stats) if stats.world_size > 1 else "",
+        gathered_dtypes=dict(stats.gathered_dtypes),
     )
 
 

@@ -160,7 +160,11 @@ def _adjusted_live(stats: ModelStats, drop_casts: bool = True) -> np.ndarray:
     # The backward that uses one makes it again (the cast hook's unpack) and
     # holds it until that backward step ends, where the unmodified step frees it.
     for op in stats.saved_ops:
-        if op.param_cast and drop_casts:
+        if op.param_cast and op.param in stats.gathered_dtypes:
+            # gathered already cast (autosac.zero3): the cast is the gathered
+            # parameter itself, which sharded_live counts
+            live[op.event : op.freed_event] -= op.bytes
+        elif op.param_cast and drop_casts:
             until = op.freed_event if op.remade_at < 0 else min(op.freed_event, op.remade_at)
             live[max(forward_end, op.event + 1) : until] -= op.bytes
     return sharded_live(stats, live)
@@ -175,7 +179,8 @@ class _ReplayCasts:
     to its backward's end."""
 
     def __init__(self, stats: ModelStats):
-        casts = [op for op in stats.saved_ops if op.param_cast]  # saved ops are in event order
+        # saved ops are in event order; a cast gathered as such is no copy (autosac.zero3)
+        casts = [op for op in stats.saved_ops if op.param_cast and op.param not in stats.gathered_dtypes]
         self.events = [op.event for op in casts]
         self.cum = np.concatenate([[0], np.cumsum([op.bytes for op in casts], dtype=np.int64)])
 

@@ -20,6 +20,9 @@ changes what one rank holds at each event:
   on a rank that runs ahead of the others (the collective still in flight)
   until the one after; the model counts the longer of the two.
 
+Parameters gathered already cast (``stats.gathered_dtypes``, :mod:`autosac.zero3`)
+are whole in their gathered dtype, and autocast's casts of them are no copies.
+
 With FSDP2's mixed precision (``profile(param_dtype=...)``) the trace ran in
 ``param_dtype``: gathered parameters and whole gradients are in it, shards,
 sharded gradients and the optimizer in the parameters' own dtype, and the
@@ -46,7 +49,7 @@ BOOKKEEPING_BYTES = 64
 @dataclass
 class Unit:
     fqn: str
-    param_bytes: int
+    param_bytes: int  # gathered: in the dtype each parameter is gathered in
     grad_bytes: int
     forward: tuple[int, int]  # first and last forward event
     backward: tuple[int, int] | None  # first and last backward event
@@ -74,7 +77,23 @@ def _unit(stats: ModelStats, fqn: str) -> Unit:
     m = stats.modules[fqn]
     forward = (m.fw_windows[0][0], m.fw_windows[-1][1] - 1)
     backward = tuple(m.bw_window) if m.bw_window else None
-    return Unit(fqn, m.param_bytes_total, m.grad_bytes_total, forward, backward)
+    return Unit(fqn, gathered_bytes(stats, fqn), m.grad_bytes_total, forward, backward)
+
+
+def gathered_bytes(stats: ModelStats, fqn: str | None = None) -> int:
+    """Bytes of the parameters under module ``fqn`` (the whole model for None)
+    as FSDP2 gathers them: in ``stats.gathered_dtypes`` where listed."""
+    whole = stats.modules[fqn].param_bytes_total if fqn else stats.param_bytes
+    prefix = f"{fqn}." if fqn else ""
+    saved = 0.0
+    for name, low in stats.gathered_dtypes.items():
+        p = stats.params.get(name)
+        if p is not None and name.startswith(prefix):
+            saved += p.bytes * (1.0 - _ITEMSIZE[low] / _ITEMSIZE[p.dtype])
+    return whole - int(saved)
+
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
 def describe_units(stats: ModelStats) -> str:
@@ -139,7 +158,7 @@ def gathered_params(stats: ModelStats, units: list[Unit] | None = None) -> np.nd
     bw = [i for i, ph in enumerate(phases) if ph == "backward"]
     bw_start, bw_end = (bw[0], bw[-1]) if bw else (n, n - 1)
     gathered = np.zeros(n)
-    root = max(0, stats.param_bytes - sum(u.param_bytes for u in units))
+    root = max(0, gathered_bytes(stats) - sum(u.param_bytes for u in units))
     gathered[: max(fw_end, bw_end + 1)] += root  # FSDP2 keeps the root gathered from forward to backward
     for u in units:
         gathered[u.forward[0] : u.forward[1] + 1] += u.param_bytes

@@ -177,7 +177,8 @@ def _saved_ops(rec) -> _Saved:
             id=len(out.ops), op=rec.ops[ev], module=stack[-1], scope=scope_stack[-1], event=ev,
             freed_event=max(r.freed for r in recs), bytes=nbytes, ms=sum(rec.ms[i] for i in chain),
             random=any(rec.random[i] for i in chain), view=any(r.saved_as_view for r in recs),
-            inplace=bool(writers), param_cast=any(r.param_cast for r in recs), writer_events=writers,
+            inplace=bool(writers), param_cast=any(r.param_cast for r in recs),
+            param=next((r.cast_of for r in recs if r.cast_of), ""), writer_events=writers,
             savers=sorted({st[-1] for r in recs for st in r.saver_stacks if st}),
         )
         out.ops.append(op)

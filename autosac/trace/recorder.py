@@ -44,6 +44,7 @@ class StorageRecord:
     saver_stack: Stack | None = None  # common ancestor stack of the ops that saved it
     saver_stacks: set[Stack] = field(default_factory=set)  # each distinct stack that saved it
     param_cast: bool = False
+    cast_of: str = ""  # param_cast: the parameter's fqn
     writers: list[int] = field(default_factory=list)  # forward in-place ops that wrote it later
     saved_as_view: bool = False  # autograd saved a view of it, not the base tensor
 
@@ -573,7 +574,7 @@ class StepRecorder(TorchDispatchMode):
                 for t in outs:
                     r = self.record_of(t)
                     if r is not None:
-                        r.param_cast = True
+                        r.param_cast, r.cast_of = True, fqn
             else:
                 self.rec.param_dtypes[fqn].add(str(a.dtype).removeprefix("torch."))
 

@@ -1,0 +1,221 @@
+"""Downcast gathers under real FSDP2 (gloo processes on CPU): the step under
+autocast is bitwise the same with and without the install, the all-gathers
+move half the bytes of the downcast parameters, and the planner's per-rank
+peak matches the measured one."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from suite import A100_CPU_KERNELS, run_ranks
+from torch import nn
+
+import autosac
+from autosac import zero3
+from autosac.errors import PlanMismatchError
+from autosac.models import build_model
+
+BF16 = torch.bfloat16
+CFG = dict(n_layer=2, dim=64, n_head=4, seq=64, vocab=128)
+
+
+def _gpt(device="cpu", **over):
+    torch.manual_seed(0)
+    return build_model("gpt2", device=device, batch=4, **{**CFG, **over})
+
+
+def _stats(model, idx, **kw):
+    return autosac.profile(model, idx, autocast=BF16, **kw)
+
+
+def test_downcast_params_are_exactly_those_only_ever_cast():
+    """Autocast runs linear layers in bf16, layer norms and embeddings in fp32:
+    the blocks' Linear weights and biases are cast at every use; the tied
+    embedding (a bf16 head and an fp32 lookup) and the norms are not."""
+    model, idx = _gpt("meta")
+    expect = [f"{m}.{p}" for m, mod in model.named_modules() if isinstance(mod, nn.Linear) and m.startswith("blocks")
+              for p in ("weight", "bias")]
+    assert zero3.downcast_params(_stats(model, idx)) == expect
+    assert zero3.downcast_params(autosac.profile(model, idx)) == []  # no autocast: nothing is cast
+
+
+def test_installed_without_sharding_the_model_computes_the_same():
+    model, idx = _gpt()
+    with torch.autocast("cpu", dtype=BF16):
+        ref = model(idx)
+    ref.float().sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    chosen = zero3.install_downcast_gather(model, _stats(model, idx))
+    assert all(isinstance(model.get_parameter(f), zero3.DowncastShard) for f in chosen)
+    assert zero3.install_downcast_gather(model, _stats(model, idx)) == chosen  # again: no change
+    with torch.autocast("cpu", dtype=BF16):
+        out = model(idx)
+    out.float().sum().backward()
+    assert torch.equal(out, ref)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, ref_grads[n]), n
+
+
+def _padded_numel(shape, world) -> int:
+    rows = -(-shape[0] // world)
+    return rows * (torch.Size(shape[1:]).numel() if len(shape) > 1 else 1)
+
+
+def _step_worker(rank, world, port, install, out_dir):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        model, idx = _gpt()
+        chosen = zero3.install_downcast_gather(model, _stats(model, idx)) if install else []
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        if install:
+            with pytest.raises(ValueError, match="before fully_shard"):
+                zero3.install_downcast_gather(model, _stats(*_gpt("meta")))
+        # what each unit's all-gather must hand the collective: every parameter's
+        # padded shard, in bf16 where downcast (computed here from shapes alone)
+        expect = {}  # unit -> bytes: a block's parameters, or the root's (the rest)
+        for name, p in _gpt("meta")[0].named_parameters():
+            unit = ".".join(name.split(".")[:2]) if name.startswith("blocks.") else ""
+            expect[unit] = expect.get(unit, 0) + _padded_numel(p.shape, world) * (2 if name in chosen else 4)
+        handed, real = [], dist.all_gather_single
+
+        def counting(output, input, *a, **k):
+            handed.append(input.numel() * input.element_size())
+            return real(output, input, *a, **k)
+
+        dist.all_gather_single = counting
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=BF16):
+                loss = model(idx).float().sum()
+            loss.backward()
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        dist.all_gather_single = real
+        assert sorted(set(handed)) == sorted(set(expect.values())), (handed, expect)
+        params = {n: p.full_tensor() for n, p in model.named_parameters()}
+        if rank == 0:
+            torch.save({"loss": losses, "grads": grads, "params": params, "handed": handed},
+                       Path(out_dir) / f"install{int(install)}.pt")
+        if install:  # FSDP2's own mixed precision as well: refused before any gather
+            model, idx = _gpt()
+            zero3.install_downcast_gather(model, _stats(model, idx))
+            fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=BF16))
+            with pytest.raises(ValueError, match="use one of them"):
+                model(idx)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [3])
+def test_fsdp2_step_is_bitwise_the_same_and_gathers_half_the_bytes(tmp_path, world):
+    """Three ranks shard 64-row weights unevenly (FSDP2 pads): two AdamW steps
+    under autocast with and without the install give the same losses,
+    gradients and updated parameters bit for bit."""
+    from autosac import native
+
+    native.available()  # build once here, not in every rank
+    run_ranks(_step_worker, world, False, str(tmp_path))
+    run_ranks(_step_worker, world, True, str(tmp_path))
+    base, got = torch.load(tmp_path / "install0.pt"), torch.load(tmp_path / "install1.pt")
+    assert all(torch.equal(a, b) for a, b in zip(base["loss"], got["loss"]))
+    for name in base["grads"]:
+        assert torch.equal(base["grads"][name], got["grads"][name]), name
+        assert torch.equal(base["params"][name], got["params"][name]), name
+    saved = sum(base["handed"]) - sum(got["handed"])
+    model, idx = _gpt("meta")
+    chosen = zero3.downcast_params(_stats(model, idx))
+    per_step = sum(_padded_numel(model.get_parameter(f).shape, world) * 2 for f in chosen)
+    assert saved == 2 * 2 * per_step  # each block gathered in forward and backward, two steps
+
+
+MEM_CFG = dict(n_layer=4, dim=256, n_head=4, seq=256, vocab=2048, dropout=0.0)
+
+
+def _peak_worker(rank, world, port, plan_json, out_dir):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model, idx = build_model("gpt2", device="cpu", batch=4, **MEM_CFG)
+        plan = autosac.Plan.from_json(plan_json)
+        if plan.decisions:
+            autosac.apply(model, plan)
+        zero3.install_downcast_gather(model, plan)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        peak = autosac.measure(model, idx, optimizer="adamw", steps=1, autocast=BF16).peak_bytes
+        (Path(out_dir) / f"rank{rank}").write_text(str(peak))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_planner_counts_downcast_gathers_as_fsdp2_holds_them(tmp_path):
+    """Per-rank peak on 2 gloo ranks with the install, against the prediction
+    of stats made with with_downcast_gather: without a plan and with one."""
+    model, idx = build_model("gpt2", device="meta", batch=4, **MEM_CFG)
+    stats = autosac.profile(model, idx, optimizer="adamw", target=A100_CPU_KERNELS, world_size=2, autocast=BF16)
+    downcast = zero3.with_downcast_gather(stats)
+    assert not stats.gathered_dtypes and len(downcast.gathered_dtypes) == 8 * 4
+    everything = autosac.solve(downcast, "100%")  # nothing to checkpoint: the step as it is
+    planned = autosac.solve(downcast, "70%")
+    assert not everything.decisions and planned.decisions and planned.gathered_dtypes == downcast.gathered_dtypes
+    assert everything.predicted_peak_bytes < autosac.solve(stats, "100%").predicted_peak_bytes
+    for plan in (everything, planned):
+        run_ranks(_peak_worker, 2, plan.to_json(), str(tmp_path))
+        measured = max(int((tmp_path / f"rank{r}").read_text()) for r in range(2))
+        assert abs(plan.predicted_peak_bytes - measured) <= 0.05 * measured, (plan.predicted_peak_bytes, measured)
+
+
+def test_bad_input_is_one_clear_error_and_changes_nothing():
+    model, idx = _gpt()
+    stats = _stats(model, idx)
+    before = dict(model.named_parameters())
+
+    def unchanged():
+        return all(p is before[n] for n, p in model.named_parameters())
+
+    with pytest.raises(ValueError, match="bfloat16 or torch.float16"):
+        zero3.install_downcast_gather(model, stats, torch.float32)
+    with pytest.raises(ValueError, match="traced without autocast"):
+        zero3.install_downcast_gather(model, autosac.profile(model, idx))
+    with pytest.raises(ValueError, match="under autocast bfloat16"):
+        zero3.install_downcast_gather(model, stats, torch.float16)
+    with pytest.raises(ValueError, match="solved without a downcast gather"):
+        zero3.install_downcast_gather(model, autosac.solve(stats, "80%"))
+    with pytest.raises(PlanMismatchError, match="profile this model"):
+        zero3.install_downcast_gather(_gpt(n_layer=3)[0], stats)
+    with pytest.raises(TypeError, match="ModelStats or autosac.Plan"):
+        zero3.install_downcast_gather(model, "plan.json")
+    with pytest.raises(TypeError, match="nn.Module"):
+        zero3.install_downcast_gather(stats, stats)
+    assert unchanged()
+    mixed = autosac.profile(*_gpt("meta"), world_size=2, param_dtype=BF16)
+    with pytest.raises(ValueError, match="profile without param_dtype"):
+        zero3.with_downcast_gather(mixed)
+
+
+def test_a_use_the_trace_did_not_see_raises_instead_of_computing_with_rounded_values():
+    gathered = zero3.DowncastGathered(torch.ones(4, dtype=BF16), torch.float32, "blocks.0.mlp.fc.weight")
+    assert gathered.dtype == torch.float32
+    cast = gathered.to(BF16)
+    assert cast.dtype == BF16 and cast.untyped_storage().data_ptr() == gathered._data.untyped_storage().data_ptr()
+    assert isinstance(gathered.view(2, 2), zero3.DowncastGathered)
+    with pytest.raises(RuntimeError, match="blocks.0.mlp.fc.weight is gathered in torch.bfloat16"):
+        gathered * 2
