@@ -3,6 +3,7 @@
 Pipeline: :func:`profile` (trace) -> :class:`ModelStats` -> solve -> Plan -> apply.
 """
 
+from autosac import ops, zero3  # modules: autosac.ops.pack_downcast, autosac.zero3.install_downcast_gather
 from autosac.api import solve
 from autosac.applier import apply, unapply
 from autosac.devices import DEVICES, DeviceSpec
@@ -35,7 +36,9 @@ __all__ = [
     "TraceError",
     "apply",
     "measure",
+    "ops",
     "profile",
     "solve",
     "unapply",
+    "zero3",
 ]

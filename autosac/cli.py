@@ -32,6 +32,9 @@ def _model_options(p: argparse.ArgumentParser) -> None:
                         "e.g. 'layers.*' (default: one per block)")
     p.add_argument("--autocast", choices=["bf16", "fp16"], default=None,
                    help="train under torch.autocast in this dtype (traced with the target's cast policy)")
+    p.add_argument("--downcast-gather", action="store_true",
+                   help="with --world-size > 1 and --autocast: count the parameters the step only uses cast as "
+                        "gathered already cast (autosac.zero3.install_downcast_gather)")
     p.add_argument("--optimizer", default="adamw")
     p.add_argument("--solver", default="cbc", choices=["cbc", "highs"])
     p.add_argument("--time-limit", type=_positive_float, default=60.0, help="seconds for the solver")
@@ -62,12 +65,17 @@ def _profile(args):
 
     import autosac
 
+    if args.downcast_gather and (args.world_size < 2 or not args.autocast):
+        raise ValueError("--downcast-gather needs --world-size > 1 and --autocast (bf16 or fp16)")
     model, inputs = build_from_spec(args.model, args.model_arg, args.batch, args.seq)
     dtypes = {k: getattr(torch, _DTYPES[v]) for k, v in (("param_dtype", args.param_dtype),
                                                           ("reduce_dtype", args.reduce_dtype),
                                                           ("autocast", args.autocast)) if v}
-    return autosac.profile(model, inputs, optimizer=args.optimizer, target=args.target, world_size=args.world_size,
-                           shard_units=args.shard_units, **dtypes)
+    stats = autosac.profile(model, inputs, optimizer=args.optimizer, target=args.target, world_size=args.world_size,
+                            shard_units=args.shard_units, **dtypes)
+    if args.downcast_gather:
+        stats = autosac.zero3.with_downcast_gather(stats, dtypes["autocast"])
+    return stats
 
 
 def cmd_plan(args) -> int:

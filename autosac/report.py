@@ -24,6 +24,9 @@ def plan_table(plan) -> str:
         "",
         f"model            {plan.model} ({plan.fingerprint}), target {plan.target}, world size {plan.world_size}",
         *([f"FSDP2 units      {plan.sharding}"] if plan.sharding else []),
+        *([f"downcast gather  {len(plan.gathered_dtypes)} parameters gathered in "
+           f"{', '.join(sorted(set(plan.gathered_dtypes.values())))} (autosac.zero3.install_downcast_gather)"]
+          if plan.gathered_dtypes else []),
         f"baseline peak    {format_bytes(plan.baseline_peak_bytes)}",
         f"planned peak     {format_bytes(plan.predicted_peak_bytes)}",
         f"budget           {format_bytes(plan.budget_bytes)}",

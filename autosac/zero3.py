@@ -30,7 +30,7 @@ Example::
     >>> stats = autosac.zero3.with_downcast_gather(stats)      # the planner counts bf16 gathers
     >>> plan = autosac.solve(stats, "60GiB")
     >>> autosac.apply(model, plan)
-    >>> autosac.zero3.install_downcast_gather(model, plan)      # before fully_shard
+    >>> autosac.zero3.install_downcast_gather(model, plan)      # before fully_shard, or after it before the first step
     >>> for block in model.blocks: fully_shard(block)
     >>> fully_shard(model)
 """
@@ -118,13 +118,15 @@ def install_downcast_gather(model: nn.Module, stats_or_plan: ModelStats | Plan,
     already cast, so each gather moves half their bytes and the step stays
     bitwise the same.
 
-    Call it on the unsharded model, after :func:`autosac.apply` if you use a
-    plan, and before ``fully_shard`` and before making the optimizer (both
-    take the model's parameter objects, which this replaces).  Do not give
+    Call it after :func:`autosac.apply` if you use a plan, and either before
+    ``fully_shard`` and before making the optimizer (it replaces the chosen
+    parameter objects), or on the model ``fully_shard`` sharded, before its
+    first step (the sharded parameters stay the same objects).  Do not give
     ``fully_shard`` a ``MixedPrecisionPolicy(param_dtype=...)`` as well.
 
     Args:
-        model: the model the stats (or plan) were made for, not yet sharded.
+        model: the model the stats (or plan) were made for, sharded by
+            ``fully_shard`` or not yet.
         stats_or_plan: a :class:`ModelStats` traced under ``autocast=dtype``, or
             a :class:`Plan` solved from :func:`with_downcast_gather` stats.
         dtype: ``torch.bfloat16`` or ``torch.float16``.
@@ -136,7 +138,8 @@ def install_downcast_gather(model: nn.Module, stats_or_plan: ModelStats | Plan,
         TypeError: ``model`` is not a module, or ``stats_or_plan`` neither stats nor a plan.
         ValueError: another ``dtype``; stats not traced under autocast in
             ``dtype``; a plan solved without :func:`with_downcast_gather`, or
-            for another dtype; a model already sharded by ``fully_shard``.
+            for another dtype; a sharded model that has run a step, or whose
+            ``fully_shard`` has a ``param_dtype``.
         PlanMismatchError: the stats or plan were made for another model.
         Nothing is changed when it raises.
 
@@ -150,35 +153,92 @@ def install_downcast_gather(model: nn.Module, stats_or_plan: ModelStats | Plan,
         raise TypeError(f"install_downcast_gather needs an nn.Module, got {type(model).__name__}")
     name = _dtype_name(dtype)
     fqns = _chosen(stats_or_plan, name, dtype)
-    from torch.distributed.tensor import DTensor
-
-    params = dict(model.named_parameters(remove_duplicate=False))
-    if any(isinstance(p, DTensor) for p in params.values()):
-        raise ValueError("the model is already sharded: call install_downcast_gather before fully_shard")
     found = model_fingerprint(model)
     if found != stats_or_plan.fingerprint:
         raise PlanMismatchError(
             f"the {'plan' if isinstance(stats_or_plan, Plan) else 'stats'} were made for {stats_or_plan.model} "
             f"({stats_or_plan.fingerprint}) but this {type(model).__name__} is ({found}) -- profile this model"
         )
+    params = dict(model.named_parameters(remove_duplicate=False))
     missing = [f for f in fqns if f not in params]
     if missing:
         raise PlanMismatchError(f"{type(model).__name__} has no parameter {missing[0]!r}")
-    for fqn in fqns:
-        p = params[fqn]
-        if isinstance(p, DowncastShard) and p.gather_dtype != dtype:
-            raise ValueError(f"{fqn} is already gathered in {p.gather_dtype}, not {dtype}")
-    # all checked: now replace every reference (tied parameters share one object)
+    if _fsdp_params(model):
+        _install_sharded(model, fqns, dtype)
+    else:
+        _install_unsharded(model, params, fqns, dtype)
+    return list(fqns)
+
+
+def _check_marked(fqn: str, local, dtype) -> bool:
+    """Whether ``local`` is marked already (for ``dtype``; another dtype raises)."""
+    if isinstance(local, DowncastShard):
+        if local.gather_dtype != dtype:
+            raise ValueError(f"{fqn} is already gathered in {local.gather_dtype}, not {dtype}")
+        return True
+    return False
+
+
+def _fsdp_params(model: nn.Module) -> dict:
+    """fqn -> FSDP2's record of that parameter, for every parameter ``fully_shard``
+    manages in ``model`` (empty for a model it has not sharded)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return {}
+    from torch.distributed.fsdp import FSDPModule
+
+    names = {id(mod): name for name, mod in model.named_modules(remove_duplicate=False)}
+    out = {}
+    for mod in model.modules():
+        group = mod._get_fsdp_state()._fsdp_param_group if isinstance(mod, FSDPModule) else None
+        for fp in group.fsdp_params if group is not None else ():
+            info = fp._module_info  # the module holding it, and any others sharing it
+            for owner, pname in [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]:
+                prefix = names.get(id(owner), "")
+                out[f"{prefix}.{pname}" if prefix else pname] = fp
+    return out
+
+
+def _install_unsharded(model: nn.Module, params: dict, fqns: list[str], dtype) -> None:
+    """Replace each chosen parameter by a marked one (every reference: tied
+    parameters share one object); ``fully_shard`` then shards the marked data."""
+    marked = [_check_marked(f, params[f], dtype) for f in fqns]  # all checked before any change
     replaced: dict[int, nn.Parameter] = {}
-    for fqn in fqns:
+    for fqn, done in zip(fqns, marked):
         p = params[fqn]
-        if not isinstance(p, DowncastShard) and id(p) not in replaced:
+        if not done and id(p) not in replaced:
             replaced[id(p)] = nn.Parameter(DowncastShard(p.detach(), dtype, fqn), requires_grad=p.requires_grad)
     for mod in model.modules():
         for pname, p in list(mod._parameters.items()):
             if p is not None and id(p) in replaced:
                 mod._parameters[pname] = replaced[id(p)]
-    return list(fqns)
+
+
+def _install_sharded(model: nn.Module, fqns: list[str], dtype) -> None:
+    """On a model ``fully_shard`` already sharded, before its first step: mark
+    each chosen parameter's local shard (the sharded parameter objects, which an
+    optimizer may hold, stay the same) and let FSDP2 take up the extension,
+    as it does for a marked parameter at ``fully_shard``."""
+    managed = _fsdp_params(model)
+    todo = []
+    for fqn in fqns:
+        fp = managed.get(fqn)
+        if fp is None:
+            raise ValueError(f"{fqn} is not sharded by fully_shard: call install_downcast_gather before fully_shard")
+        if fp.all_gather_outputs:
+            raise ValueError("the sharded model has run a step: call install_downcast_gather before its first step")
+        if fp.mp_policy.param_dtype is not None:
+            raise ValueError(
+                f"fully_shard was given MixedPrecisionPolicy(param_dtype={fp.mp_policy.param_dtype}); a downcast "
+                "gather replaces it: shard without param_dtype"
+            )
+        if not _check_marked(fqn, fp.sharded_param._local_tensor, dtype) and fp not in [f for _, f in todo]:
+            todo.append((fqn, fp))
+    for fqn, fp in todo:
+        fp.sharded_param._local_tensor = DowncastShard(fp.sharded_param._local_tensor, dtype, fqn)
+        fp._sharded_param_data = DowncastShard(fp._sharded_param_data, dtype, fqn)
+        fp._init_extensions()
 
 
 def _chosen(stats_or_plan, name: str, dtype) -> list[str]:
@@ -268,8 +328,10 @@ class DowncastShard(torch.Tensor):
                 f"{mp_policy.param_dtype}) and install_downcast_gather; use one of them"
             )
         world = mesh.size()
-        rows = -(-outer_size[0] // world)  # FSDP2 pads every shard to the first one's rows
-        padded = torch.Size([rows, *outer_size[1:]])
+        if self._data.numel() * world == outer_size.numel():
+            padded = self._data.shape  # even shards (FSDP2 shards dims other than 0 only evenly)
+        else:  # uneven on dim 0: FSDP2 pads every shard to the first one's rows
+            padded = torch.Size([-(-outer_size[0] // world), *outer_size[1:]])
         flat = torch.empty(padded.numel(), dtype=self.gather_dtype, device=self.device)
         n = self._data.numel()
         if n:

@@ -72,13 +72,13 @@ def _step_worker(rank, world, port, install, out_dir):
     torch.set_num_threads(1)
     try:
         model, idx = _gpt()
-        chosen = zero3.install_downcast_gather(model, _stats(model, idx)) if install else []
+        stats = _stats(model, idx)
+        chosen = zero3.install_downcast_gather(model, stats) if install == "before" else []
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
-        if install:
-            with pytest.raises(ValueError, match="before fully_shard"):
-                zero3.install_downcast_gather(model, _stats(*_gpt("meta")))
+        if install == "after":
+            chosen = zero3.install_downcast_gather(model, stats)
         # what each unit's all-gather must hand the collective: every parameter's
         # padded shard, in bf16 where downcast (computed here from shapes alone)
         expect = {}  # unit -> bytes: a block's parameters, or the root's (the rest)
@@ -107,28 +107,40 @@ def _step_worker(rank, world, port, install, out_dir):
         params = {n: p.full_tensor() for n, p in model.named_parameters()}
         if rank == 0:
             torch.save({"loss": losses, "grads": grads, "params": params, "handed": handed},
-                       Path(out_dir) / f"install{int(install)}.pt")
-        if install:  # FSDP2's own mixed precision as well: refused before any gather
+                       Path(out_dir) / f"install-{install}.pt")
+        if install == "before":  # FSDP2's own mixed precision as well: refused before any gather
             model, idx = _gpt()
             zero3.install_downcast_gather(model, _stats(model, idx))
             fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=BF16))
             with pytest.raises(ValueError, match="use one of them"):
                 model(idx)
+        if install == "after":  # refused on a model whose FSDP2 has gathered already, or with param_dtype
+            model, idx = _gpt()
+            fully_shard(model)
+            model(idx)
+            with pytest.raises(ValueError, match="before its first step"):
+                zero3.install_downcast_gather(model, stats)
+            model, idx = _gpt()
+            fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=BF16))
+            with pytest.raises(ValueError, match="shard without param_dtype"):
+                zero3.install_downcast_gather(model, stats)
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [3])
-def test_fsdp2_step_is_bitwise_the_same_and_gathers_half_the_bytes(tmp_path, world):
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_fsdp2_step_is_bitwise_the_same_and_gathers_half_the_bytes(tmp_path, world, when):
     """Three ranks shard 64-row weights unevenly (FSDP2 pads): two AdamW steps
-    under autocast with and without the install give the same losses,
-    gradients and updated parameters bit for bit."""
+    under autocast with and without the install (before or after
+    ``fully_shard``) give the same losses, gradients and updated parameters
+    bit for bit."""
     from autosac import native
 
     native.available()  # build once here, not in every rank
-    run_ranks(_step_worker, world, False, str(tmp_path))
-    run_ranks(_step_worker, world, True, str(tmp_path))
-    base, got = torch.load(tmp_path / "install0.pt"), torch.load(tmp_path / "install1.pt")
+    run_ranks(_step_worker, world, None, str(tmp_path))
+    run_ranks(_step_worker, world, when, str(tmp_path))
+    base, got = torch.load(tmp_path / "install-None.pt"), torch.load(tmp_path / f"install-{when}.pt")
     assert all(torch.equal(a, b) for a, b in zip(base["loss"], got["loss"]))
     for name in base["grads"]:
         assert torch.equal(base["grads"][name], got["grads"][name]), name
@@ -219,3 +231,21 @@ def test_a_use_the_trace_did_not_see_raises_instead_of_computing_with_rounded_va
     assert isinstance(gathered.view(2, 2), zero3.DowncastGathered)
     with pytest.raises(RuntimeError, match="blocks.0.mlp.fc.weight is gathered in torch.bfloat16"):
         gathered * 2
+
+
+def test_the_cli_plans_with_downcast_gathers(tmp_path, capsys):
+    from autosac.cli import main
+
+    common = ["plan", "--model", "gpt2", "--model-arg", "n_layer=2", "--model-arg", "dim=64", "--model-arg",
+              "n_head=4", "--model-arg", "vocab=128", "--seq", "64", "--batch", "4", "--world-size", "2",
+              "--budget", "80%"]
+    assert main([*common, "--autocast", "bf16", "--downcast-gather", "--json", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert "downcast gather  16 parameters gathered in bfloat16" in out
+    plan = autosac.Plan.load(tmp_path / "p.json")
+    assert len(plan.gathered_dtypes) == 16
+    model, _ = _gpt()
+    assert len(zero3.install_downcast_gather(model, plan)) == 16
+    assert main([*common, "--downcast-gather"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "autosac: ValueError: --downcast-gather needs --world-size > 1 and --autocast (bf16 or fp16)"
