@@ -27,8 +27,6 @@ def _check(tensors, dtype) -> list[torch.Tensor]:
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
         raise TypeError(f"expected a list of tensors, got {type(tensors).__name__}")
     tensors = list(tensors)
-    if not tensors:
-        raise ValueError("expected at least one tensor, got an empty list")
     bad = next((t for t in tensors if not isinstance(t, torch.Tensor)), None)
     if bad is not None:
         raise TypeError(f"expected a list of tensors, found a {type(bad).__name__} in it")
@@ -80,11 +78,12 @@ def pack_downcast(tensors, dtype: torch.dtype = torch.bfloat16, *, out: torch.Te
         A 1-D tensor of ``dtype`` holding each tensor's elements in turn,
         bitwise equal to ``torch.cat([t.reshape(-1) for t in tensors]).to(dtype)``
         (round to nearest even, NaN and Inf kept).  Under FakeTensorMode or on
-        ``meta`` it returns a tensor of the right size without computing.
+        ``meta`` it returns a tensor of the right size without computing.  An
+        empty list gives an empty tensor (``out`` itself when given).
 
     Raises:
         TypeError: ``tensors`` is not a list of tensors.
-        ValueError: an empty list, a tensor that is not float32, tensors on
+        ValueError: a tensor that is not float32, tensors on
             several devices, another ``dtype``, or an ``out`` of the wrong
             dtype, size, layout or device (checked before anything is written).
 
@@ -94,6 +93,10 @@ def pack_downcast(tensors, dtype: torch.dtype = torch.bfloat16, *, out: torch.Te
         torch.Size([10])
     """
     tensors = _check(tensors, dtype)
+    if not tensors:  # nothing to pack: an empty buffer (on out's device, else the CPU)
+        if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != dtype or out.shape != (0,)):
+            raise ValueError(f"out must be an empty 1-D {dtype} tensor for an empty list")
+        return out if out is not None else torch.empty(0, dtype=dtype)
     if out is not None:
         _check_out(tensors, dtype, out)
     device = tensors[0].device.type
@@ -119,7 +122,8 @@ def allgather_downcast(tensors, dtype: torch.dtype = torch.bfloat16, group=None)
     Returns:
         Per input tensor, a ``(world_size, *shape)`` tensor of ``dtype`` whose
         ``[r]`` is rank ``r``'s tensor: views into one gathered buffer.  For
-        dim-0 shards, ``out.flatten(0, 1)`` is the whole tensor.
+        dim-0 shards, ``out.flatten(0, 1)`` is the whole tensor.  An empty list
+        gives an empty list (no collective runs, so every rank must pass one).
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised.
@@ -134,6 +138,8 @@ def allgather_downcast(tensors, dtype: torch.dtype = torch.bfloat16, group=None)
     tensors = _check(tensors, dtype)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("allgather_downcast needs torch.distributed initialised (dist.init_process_group)")
+    if not tensors:
+        return []
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     n = sum(t.numel() for t in tensors)
     gathered = torch.empty(world * n, dtype=dtype, device=tensors[0].device)

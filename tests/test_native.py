@@ -104,7 +104,6 @@ def test_pack_downcast_traces_in_fake_mode_and_on_meta():
 
 
 @pytest.mark.parametrize("bad, dtype, error, match", [
-    ([], torch.bfloat16, ValueError, "at least one tensor"),
     (torch.ones(3), torch.bfloat16, TypeError, "list of tensors"),
     ([torch.ones(3), 1.0], torch.bfloat16, TypeError, "found a float"),
     ([torch.ones(3, dtype=torch.float64)], torch.bfloat16, ValueError, "must be float32"),
@@ -114,6 +113,17 @@ def test_pack_downcast_traces_in_fake_mode_and_on_meta():
 def test_pack_downcast_bad_input_is_one_clear_error(bad, dtype, error, match):
     with pytest.raises(error, match=match):
         ops.pack_downcast(bad, dtype)
+
+
+def test_an_empty_list_packs_to_an_empty_buffer():
+    empty = ops.pack_downcast([], torch.bfloat16)
+    assert empty.shape == (0,) and empty.dtype == torch.bfloat16
+    out = torch.empty(0, dtype=torch.float16)
+    assert ops.pack_downcast([], torch.float16, out=out) is out
+    with pytest.raises(ValueError, match="empty 1-D"):
+        ops.pack_downcast([], torch.bfloat16, out=torch.empty(3, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16 or torch.float16"):
+        ops.pack_downcast([], torch.float32)
 
 
 def test_without_a_build_the_fallback_runs_after_one_warning(monkeypatch, tmp_path):
@@ -162,6 +172,7 @@ def _gather_worker(rank, world, port):
                 dist.all_gather_single(out, s.reshape(-1).contiguous())
         finally:
             dist.all_gather_single = real
+        assert ops.allgather_downcast([], torch.bfloat16) == []  # nothing to gather: no collective
         fused_bytes, fp32_bytes = handed[0], sum(handed[1:])
         assert fused_bytes * 2 == fp32_bytes
         for s, got, ref in zip(shards, fused, fp32):
