@@ -38,6 +38,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 from torch import nn
@@ -167,7 +168,31 @@ def install_downcast_gather(model: nn.Module, stats_or_plan: ModelStats | Plan,
         _install_sharded(model, fqns, dtype)
     else:
         _install_unsharded(model, params, fqns, dtype)
+    _recheck_at_first_step(model, list(fqns), dtype)
     return list(fqns)
+
+
+def _recheck_at_first_step(model: nn.Module, fqns: list[str], dtype) -> None:
+    """Before the sharded model's first forward (ahead of FSDP2's own hook),
+    mark again the shards that lost their mark since the install: ``to_empty``
+    after building on ``meta`` and ``load_state_dict(assign=True)`` put plain
+    tensors in their place, which would gather in float32 while the plan
+    counts them in ``dtype``."""
+    old = getattr(model, "_autosac_downcast_hook", None)
+    if old is not None:
+        old.remove()
+
+    def hook(module, args):
+        managed = _fsdp_params(module)
+        if not managed:
+            return  # not sharded (yet): the marks do nothing here
+        lost = [f for f in fqns if f in managed and not isinstance(managed[f].sharded_param._local_tensor,
+                                                                    DowncastShard)]
+        if lost:
+            _install_sharded(module, lost, dtype)
+        module._autosac_downcast_hook.remove()
+
+    model._autosac_downcast_hook = model.register_forward_pre_hook(hook, prepend=True)
 
 
 def _check_marked(fqn: str, local, dtype) -> bool:
@@ -344,8 +369,7 @@ class DowncastShard(torch.Tensor):
         holding the gathered ``gather_dtype`` data."""
         (data,) = all_gather_outputs
         if out is not None:  # FSDP2 re-gathered into the same storage: nothing to remake
-            if out._data.untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
-                raise RuntimeError(f"{self.param_name}: FSDP2 re-gathered into another buffer")
+            out._check_unwritten()
             return None
         return DowncastGathered(data, self.dtype, self.param_name), (data,)
 
@@ -363,7 +387,19 @@ class DowncastGathered(torch.Tensor):
             dtype=outer_dtype, device=data.device, requires_grad=False,
         )
         t._data, t.param_name = data, name
+        t.casts = []  # (weak reference, version when made) of each cast handed out
         return t
+
+    def _check_unwritten(self) -> None:
+        """Raise if a cast handed out (the gathered data itself) was written in
+        place: FSDP2 would re-gather over the write, under tensors autograd saved."""
+        alive = [(ref, v) for ref, v in self.casts if ref() is not None]
+        self.casts = alive
+        if any(ref()._version != v for ref, v in alive):
+            raise RuntimeError(
+                f"the {self._data.dtype} cast of {self.param_name} was written in place, but it is the gathered "
+                f"parameter itself (install_downcast_gather): copy it first (.to({self._data.dtype}).clone())"
+            )
 
     def __repr__(self) -> str:
         return f"DowncastGathered({self.param_name}, {tuple(self.shape)}, gathered in {self._data.dtype})"
@@ -381,7 +417,10 @@ class DowncastGathered(torch.Tensor):
         me = args[0] if args and isinstance(args[0], DowncastGathered) else None
         if me is not None and func is aten._to_copy.default and len(args) == 1 \
                 and kwargs.get("dtype") == me._data.dtype and kwargs.get("device", me.device) == me.device:
-            return me._data.detach()  # the cast is the gathered data itself
+            me._check_unwritten()
+            cast = me._data.detach()  # the cast is the gathered data itself
+            me.casts.append((weakref.ref(cast), cast._version))
+            return cast
         if me is not None and op_kind(func).view and not any(
                 isinstance(a, DowncastGathered) for a in _leaves(args[1:], kwargs)):
             out = func(me._data, *args[1:], **kwargs)

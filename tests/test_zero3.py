@@ -231,6 +231,47 @@ def test_a_use_the_trace_did_not_see_raises_instead_of_computing_with_rounded_va
     assert isinstance(gathered.view(2, 2), zero3.DowncastGathered)
     with pytest.raises(RuntimeError, match="blocks.0.mlp.fc.weight is gathered in torch.bfloat16"):
         gathered * 2
+    cast.mul_(3)  # a write through the cast writes the gathered parameter: refused at its next use
+    with pytest.raises(RuntimeError, match="cast of blocks.0.mlp.fc.weight was written in place"):
+        gathered.to(BF16)
+
+
+def _meta_worker(rank, world, port, when):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model, idx = _gpt("meta")
+        stats = _stats(model, idx)
+        if when == "before":
+            zero3.install_downcast_gather(model, stats)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        if when == "after":
+            zero3.install_downcast_gather(model, stats)
+        model.to_empty(device="cpu")  # plain tensors replace the marked shards
+        handed, real = [], dist.all_gather_single
+
+        def counting(output, input, *a, **k):
+            handed.append(input.dtype)
+            return real(output, input, *a, **k)
+
+        dist.all_gather_single = counting
+        with torch.autocast("cpu", dtype=BF16):
+            model(torch.randint(0, CFG["vocab"], (4, CFG["seq"]))).float().sum().backward()
+        dist.all_gather_single = real
+        # the root's fp32 parameters, then each block in forward and backward: bf16 and fp32 as bytes
+        assert handed == [torch.float32] + [torch.uint8] * 4, handed
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_building_on_meta_then_to_empty_keeps_the_downcast_gather(when):
+    run_ranks(_meta_worker, 2, when)
 
 
 def test_the_cli_plans_with_downcast_gathers(tmp_path, capsys):
