@@ -37,6 +37,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import weakref
 
@@ -169,7 +170,41 @@ def install_downcast_gather(model: nn.Module, stats_or_plan: ModelStats | Plan,
     else:
         _install_unsharded(model, params, fqns, dtype)
     _recheck_at_first_step(model, list(fqns), dtype)
+    _plain_state_dicts(model, list(fqns))
     return list(fqns)
+
+
+def _plain_state_dicts(model: nn.Module, fqns: list[str]) -> None:
+    """State dicts hold the marked parameters' data as plain tensors (sharded
+    ones as DTensors of plain local shards, the same storage): checkpoints
+    load anywhere (``torch.load(weights_only=True)``, DCP) and load back in place."""
+    owners = {fqn.rpartition(".")[0] for fqn in fqns}
+    for name in owners:
+        module = model.get_submodule(name)
+        if not getattr(module, "_autosac_plain_state_dict", False):
+            module.register_state_dict_post_hook(_unmark_state_dict)
+            module._autosac_plain_state_dict = True
+
+
+def _unmark_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    for key, value in list(state_dict.items()):
+        if isinstance(value, DowncastShard):
+            state_dict[key] = value._data
+        elif _is_dtensor(value) and isinstance(value._local_tensor, DowncastShard):
+            from torch.distributed.tensor import DTensor
+
+            state_dict[key] = DTensor.from_local(value._local_tensor._data, value.device_mesh, value.placements,
+                                                 run_check=False, shape=value.shape, stride=value.stride())
+
+
+def _is_dtensor(value) -> bool:
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
 
 
 def _recheck_at_first_step(model: nn.Module, fqns: list[str], dtype) -> None:
@@ -226,18 +261,24 @@ def _fsdp_params(model: nn.Module) -> dict:
 
 
 def _install_unsharded(model: nn.Module, params: dict, fqns: list[str], dtype) -> None:
-    """Replace each chosen parameter by a marked one (every reference: tied
-    parameters share one object); ``fully_shard`` then shards the marked data."""
+    """Turn each chosen parameter into a marked one in place
+    (``torch.utils.swap_tensors``: the same object, so an optimizer already
+    made, tied uses and hooks keep it); ``fully_shard`` then shards the marked data."""
     marked = [_check_marked(f, params[f], dtype) for f in fqns]  # all checked before any change
-    replaced: dict[int, nn.Parameter] = {}
-    for fqn, done in zip(fqns, marked):
-        p = params[fqn]
-        if not done and id(p) not in replaced:
-            replaced[id(p)] = nn.Parameter(DowncastShard(p.detach(), dtype, fqn), requires_grad=p.requires_grad)
-    for mod in model.modules():
-        for pname, p in list(mod._parameters.items()):
-            if p is not None and id(p) in replaced:
-                mod._parameters[pname] = replaced[id(p)]
+    swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        for fqn, done in zip(fqns, marked):
+            p = params[fqn]
+            if done or any(p is q for q, _ in swapped):
+                continue
+            new = nn.Parameter(DowncastShard(p.detach(), dtype, fqn), requires_grad=p.requires_grad)
+            torch.utils.swap_tensors(p, new)
+            swapped.append((p, new))
+    except RuntimeError as e:
+        for p, new in reversed(swapped):  # nothing half-done
+            torch.utils.swap_tensors(p, new)
+        first = str(e).strip().splitlines()[0]
+        raise ValueError(f"cannot mark {fqn} in place ({first}): install before the first backward") from None
 
 
 def _install_sharded(model: nn.Module, fqns: list[str], dtype) -> None:
@@ -318,6 +359,23 @@ class DowncastShard(torch.Tensor):
     def __repr__(self) -> str:
         return f"DowncastShard({self._data!r}, gather_dtype={self.gather_dtype})"
 
+    def _check_unchanged(self) -> None:
+        """Raise if the parameter was changed around its wrapper (``.data = x``
+        or a dtype conversion): the data it wraps would be stale."""
+        if self._data.shape != self.shape or self._data.dtype != self.dtype or _holds_storage(self):
+            raise RuntimeError(
+                f"{self.param_name} was changed after install_downcast_gather (a .data assignment or a dtype "
+                f"conversion): call install_downcast_gather after changing the model"
+            )
+
+    def __deepcopy__(self, memo):
+        new = DowncastShard(copy.deepcopy(self._data, memo), self.gather_dtype, self.param_name)
+        new.requires_grad_(self.requires_grad)
+        if getattr(self, "_is_param", False):
+            new._is_param = True
+        memo[id(self)] = new
+        return new
+
     def __tensor_flatten__(self):
         return ["_data"], (self.gather_dtype, self.param_name)
 
@@ -334,6 +392,8 @@ class DowncastShard(torch.Tensor):
         keep = op_kind(func).view or func in _SHARD_MAKERS or (
             func is aten._to_copy.default and kwargs.get("dtype", first.dtype) == first.dtype
         )
+        if keep:  # what sharding runs: the data it carries on must be the parameter's
+            first._check_unchanged()
 
         def back(x):
             if not isinstance(x, torch.Tensor):
@@ -347,6 +407,7 @@ class DowncastShard(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """FSDP2's hook before the all-gather: this rank's shard cast to
         ``gather_dtype`` in one pass, padded as FSDP2 pads shards."""
+        self._check_unchanged()
         if mp_policy.param_dtype is not None:
             raise ValueError(
                 f"{self.param_name}: fully_shard was given MixedPrecisionPolicy(param_dtype="
@@ -372,6 +433,19 @@ class DowncastShard(torch.Tensor):
             out._check_unwritten()
             return None
         return DowncastGathered(data, self.dtype, self.param_name), (data,)
+
+
+def _holds_storage(t: torch.Tensor) -> bool:
+    """Whether a wrapper has storage of its own: ``param.data = x`` gave it x's
+    (the values it wraps are then stale)."""
+    try:
+        return t.untyped_storage().data_ptr() != 0  # 0 on meta
+    except RuntimeError:  # a wrapper's own (invalid) storage
+        return False
+
+
+# ops whose result does not depend on their input's values
+_VALUE_FREE = {aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default}
 
 
 class DowncastGathered(torch.Tensor):
@@ -421,6 +495,9 @@ class DowncastGathered(torch.Tensor):
             cast = me._data.detach()  # the cast is the gathered data itself
             me.casts.append((weakref.ref(cast), cast._version))
             return cast
+        if me is not None and func in _VALUE_FREE:  # e.g. FSDP2's zeros for a gradient that never came
+            plain = torch.empty_strided(me.shape, me.stride(), dtype=me.dtype, device=me.device)
+            return func(plain, *args[1:], **kwargs)
         if me is not None and op_kind(func).view and not any(
                 isinstance(a, DowncastGathered) for a in _leaves(args[1:], kwargs)):
             out = func(me._data, *args[1:], **kwargs)

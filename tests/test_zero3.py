@@ -236,7 +236,7 @@ def test_a_use_the_trace_did_not_see_raises_instead_of_computing_with_rounded_va
         gathered.to(BF16)
 
 
-def _meta_worker(rank, world, port, when):
+def _meta_worker(rank, world, port, when, ckpt):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -253,6 +253,9 @@ def _meta_worker(rank, world, port, when):
         if when == "after":
             zero3.install_downcast_gather(model, stats)
         model.to_empty(device="cpu")  # plain tensors replace the marked shards
+        with torch.no_grad():
+            for p in model.parameters():
+                torch.nn.init.normal_(p, std=0.02)
         handed, real = [], dist.all_gather_single
 
         def counting(output, input, *a, **k):
@@ -265,13 +268,84 @@ def _meta_worker(rank, world, port, when):
         dist.all_gather_single = real
         # the root's fp32 parameters, then each block in forward and backward: bf16 and fp32 as bytes
         assert handed == [torch.float32] + [torch.uint8] * 4, handed
+        # a distributed checkpoint round trip: plain shards in the state dict, loaded back in place
+        import torch.distributed.checkpoint as dcp
+
+        state = model.state_dict()
+        assert not any(isinstance(v._local_tensor, zero3.DowncastShard) for v in state.values())
+        before = {k: v.full_tensor() for k, v in state.items()}
+        dcp.save(state, checkpoint_id=ckpt)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        dcp.load(model.state_dict(), checkpoint_id=ckpt)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v.full_tensor(), before[k]), k
+        assert isinstance(model.blocks[0].mlp.fc.weight._local_tensor, zero3.DowncastShard)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
-def test_building_on_meta_then_to_empty_keeps_the_downcast_gather(when):
-    run_ranks(_meta_worker, 2, when)
+def test_building_on_meta_then_to_empty_keeps_the_downcast_gather(when, tmp_path):
+    """The usual FSDP2 start (build on meta, shard, to_empty) gathers as
+    planned, and a DCP checkpoint of the model saves and loads."""
+    run_ranks(_meta_worker, 2, when, str(tmp_path / "ckpt"))
+
+
+def test_the_installed_model_keeps_its_parameter_objects_and_plain_checkpoints():
+    import copy
+    import io
+
+    model, idx = _gpt()
+    weight = model.blocks[0].mlp.fc.weight
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # made before the install
+    zero3.install_downcast_gather(model, _stats(model, idx))
+    assert model.blocks[0].mlp.fc.weight is weight and isinstance(weight, zero3.DowncastShard)
+    with torch.autocast("cpu", dtype=BF16):
+        model(idx).float().sum().backward()
+    old = weight._data.clone()
+    opt.step()
+    assert not torch.equal(weight._data, old)  # the optimizer steps the marked parameter
+    state = model.state_dict()
+    assert all(type(v) is torch.Tensor for v in state.values())
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    twin = copy.deepcopy(model)
+    assert isinstance(twin.blocks[0].mlp.fc.weight, zero3.DowncastShard)
+    assert torch.equal(twin.blocks[0].mlp.fc.weight._data, weight._data)
+    with torch.no_grad():
+        weight.zero_()
+    model.load_state_dict(loaded)
+    assert torch.equal(weight._data, loaded["blocks.0.mlp.fc.weight"]) and weight._data.abs().sum() > 0
+
+
+def _changed_worker(rank, world, port, change):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model, idx = _gpt()
+        zero3.install_downcast_gather(model, _stats(model, idx))
+        if change == "data":
+            model.blocks[0].mlp.fc.weight.data = torch.zeros(256, 64)
+        else:
+            model.double()
+        with pytest.raises(RuntimeError, match="was changed after install_downcast_gather"):
+            for block in model.blocks:
+                fully_shard(block)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("change", ["data", "dtype"])
+def test_a_parameter_changed_after_the_install_is_refused_not_gathered_stale(change):
+    run_ranks(_changed_worker, 1, change)
 
 
 def test_the_cli_plans_with_downcast_gathers(tmp_path, capsys):
