@@ -11,6 +11,7 @@ than the plan's is warned about.
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from autosac.applier.casts import pack_cast, unpack_cast
+from autosac.applier.compiled import compiled_context_fn, save_keys
 from autosac.applier.region import RegionPolicy, warn_user
 from autosac.errors import PlanMismatchError, StatsFormatError
 from autosac.fingerprint import model_fingerprint
@@ -142,11 +144,15 @@ def applied_plan(model: nn.Module) -> Plan | None:
 @torch.compiler.disable
 def _checkpointed_forward(self, *args, **kwargs):
     # Looked up on ``self`` at call time, so a deepcopy of the model checkpoints
-    # its own weights with its own policy.  Under torch.compile the module runs
-    # eagerly (a graph break), so the plan holds.
+    # its own weights with its own policy.  Under torch.compile the module is
+    # one traced region whose ops carry the decision (autosac.applier.compiled).
     original = type(self).forward.__get__(self)
     if not torch.is_grad_enabled():
         return original(*args, **kwargs)
+    if torch.compiler.is_compiling():  # one traced region; its decision as recompute tags
+        policy = getattr(self, POLICY)
+        return checkpoint(functools.partial(original, **kwargs), *args, use_reentrant=False,
+                          context_fn=compiled_context_fn(save_keys(policy.calls, policy.save)))
     call = getattr(self, POLICY).start(self, args, kwargs)
     # keyword arguments are bound by the wrapper, never passed to checkpoint,
     # so a forward's own ``context_fn=`` or ``debug=`` cannot clash with checkpoint's

@@ -1,0 +1,42 @@
+"""A plan under torch.compile: the checkpointed modules are traced (no graph
+break), their decisions become the partitioner's recompute tags, gradients
+equal eager's and the measured peak keeps the budget."""
+
+import copy
+
+import torch
+
+import autosac
+from autosac.applier.compiled import save_keys
+from autosac.models import build_model
+
+CFG = dict(n_layer=2, dim=64, n_head=4, seq=256, vocab=128, dropout=0.0)
+
+
+def test_saved_calls_are_named_by_op_and_occurrence():
+    calls = [("mm", ()), ("relu", ()), ("mm", ()), ("view", ()), ("mm", ())]
+    assert save_keys(calls, frozenset({2, 3})) == (("mm", 1), ("view", 0))
+
+
+def test_a_planned_model_compiles_whole_and_keeps_its_gradients_and_budget():
+    torch.manual_seed(0)
+    model, idx = build_model("gpt2", device="cpu", batch=2, **CFG)
+    stats = autosac.profile(model, idx, optimizer="sgd", target="cpu")
+    plan = autosac.solve(stats, "70%")
+    assert plan.decisions
+    reference = copy.deepcopy(model)
+    expect = reference(idx).float().sum()
+    expect.backward()
+    autosac.apply(model, plan)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(idx)
+    assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
+    compiled = torch.compile(model, backend="aot_eager")
+    loss = compiled(idx).float().sum()
+    loss.backward()
+    assert torch.equal(loss, expect)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    model.zero_grad(set_to_none=True)
+    measured = autosac.measure(torch.compile(model, backend="aot_eager"), idx, optimizer="sgd", steps=1).peak_bytes
+    assert measured <= plan.budget_bytes, (measured, plan.budget_bytes)
