@@ -40,3 +40,23 @@ def test_a_planned_model_compiles_whole_and_keeps_its_gradients_and_budget():
     model.zero_grad(set_to_none=True)
     measured = autosac.measure(torch.compile(model, backend="aot_eager"), idx, optimizer="sgd", steps=1).peak_bytes
     assert measured <= plan.budget_bytes, (measured, plan.budget_bytes)
+
+
+def test_the_memory_aware_backend_reorders_forward_and_backward_with_the_same_gradients():
+    from autosac import schedule
+
+    torch.manual_seed(0)
+    model, idx = build_model("gpt2", device="cpu", batch=2, **CFG)
+    stats = autosac.profile(model, idx, optimizer="sgd", target="cpu")
+    plan = autosac.solve(stats, "70%")
+    reference = copy.deepcopy(model)
+    expect = reference(idx).float().sum()
+    expect.backward()
+    autosac.apply(model, plan)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=schedule.memory_aware_backend)
+    loss = compiled(idx).float().sum()
+    loss.backward()
+    assert torch.equal(loss, expect)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), name

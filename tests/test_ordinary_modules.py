@@ -234,7 +234,7 @@ def test_retain_graph_twice_and_gradient_penalty_work_like_plain_autograd():
         model.zero_grad(set_to_none=True)
 
 
-def test_torch_compile_of_an_applied_model_runs_the_plan_eagerly():
+def test_torch_compile_of_an_applied_model_keeps_its_gradients():
     model, idx = _gpt()
     plan = autosac.solve(model, "92%", example_inputs=idx, target=A100_CPU_KERNELS)
     ref = copy.deepcopy(model)

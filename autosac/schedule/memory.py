@@ -125,7 +125,9 @@ def graph_memory(gm: fx.GraphModule, *example_inputs) -> GraphMemory:
     """
     if not example_inputs:
         example_inputs = tuple(_example_of(n) for n in gm.graph.nodes if n.op == "placeholder")
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         fake = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
         rec = _Recorder(gm)

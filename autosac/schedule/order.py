@@ -29,7 +29,7 @@ from torch import fx
 
 from autosac.schedule.memory import GraphMemory, graph_memory, replay_peak
 
-__all__ = ["OrderReport", "memory_aware_order", "dependencies", "best_order"]
+__all__ = ["OrderReport", "memory_aware_order", "memory_aware_backend", "dependencies", "best_order"]
 
 EXACT_NODES = 22  # graphs up to this many movable nodes are searched exactly
 EXACT_STATES = 200_000  # ... unless the search meets more sets of run nodes than this
@@ -318,3 +318,20 @@ def memory_aware_order(gm: fx.GraphModule, *example_inputs, free_inputs: bool = 
     out.meta.update(gm.meta)
     out.meta["memory_order"] = report
     return out
+
+
+def memory_aware_backend(gm: fx.GraphModule, example_inputs):
+    """A ``torch.compile`` backend: AOTAutograd's forward and backward graphs,
+    each run in :func:`memory_aware_order` (otherwise as ``aot_eager`` runs them).
+
+    Example::
+
+        >>> compiled = torch.compile(model, backend=autosac.schedule.memory_aware_backend)
+    """
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    def reorder(graph: fx.GraphModule, inputs):
+        return make_boxed_func(memory_aware_order(graph, *inputs))
+
+    return aot_autograd(fw_compiler=reorder, bw_compiler=reorder)(gm, example_inputs)
