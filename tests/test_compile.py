@@ -60,3 +60,24 @@ def test_the_memory_aware_backend_reorders_forward_and_backward_with_the_same_gr
     assert torch.equal(loss, expect)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+def test_with_dropout_the_compiled_plan_draws_the_same_numbers():
+    """Random ops are saved, never replayed: the planned compiled step equals
+    the unplanned compiled one under the same seed."""
+    torch.manual_seed(0)
+    model, idx = build_model("gpt2", device="cpu", batch=2, **{**CFG, "dropout": 0.1})
+    plan = autosac.solve(autosac.profile(model, idx, optimizer="sgd", target="cpu"), "70%")
+    reference = copy.deepcopy(model)
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    expect = torch.compile(reference, backend="aot_eager")(idx).float().sum()
+    expect.backward()
+    autosac.apply(model, plan)
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    loss = torch.compile(model, backend="aot_eager")(idx).float().sum()
+    loss.backward()
+    assert torch.equal(loss, expect)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), name

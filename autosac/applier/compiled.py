@@ -6,7 +6,8 @@ a selective-checkpoint policy about each op in it.  The policy here answers
 from the decision by op name and occurrence (the eager applier matches op
 calls by position, which compiled graphs do not keep): the calls the
 decision saves are ``MUST_SAVE``, every other op ``MUST_RECOMPUTE`` --
-parameter casts included.  It is built from plain tuples so Dynamo can take
+parameter casts included -- except ops that draw random numbers (dropout),
+always ``MUST_SAVE``: a recompute would draw others.  It is built from plain tuples so Dynamo can take
 the ``functools.partial`` holding it as a constant.
 
 Example::
@@ -19,7 +20,10 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from autosac.opkinds import op_kind
 
 
 def save_keys(calls: list[tuple[str, tuple[int, ...]]], save: frozenset[int]) -> tuple[tuple[str, int], ...]:
@@ -40,6 +44,8 @@ def compiled_contexts(saved: tuple[tuple[str, int], ...]):
     counts: dict[tuple[bool, str], int] = {}
 
     def policy(ctx, func, *args, **kwargs):
+        if isinstance(func, torch._ops.OpOverload) and op_kind(func).random:
+            return CheckpointPolicy.MUST_SAVE  # a replay would draw other numbers
         name = getattr(func, "overloadpacket", func).__name__
         key = (ctx.is_recompute, name)
         occurrence = counts.get(key, 0)
