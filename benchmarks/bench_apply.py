@@ -10,6 +10,8 @@ run so the ratios are measured side by side:
   (d) torch.compile(backend="aot_eager_decomp_partition") with
       torch._functorch.config.activation_memory_budget at the same fraction
   (e) no checkpointing
+  (f) with --compiled-plan: autosac's plan applied, then torch.compile(backend="aot_eager"):
+      the decisions as the partitioner's recompute tags
 
 Peaks come from the profiler's allocator events (autosac.measure).  Step times
 are medians of --rounds steps, taken in turn across the methods of one budget
@@ -17,7 +19,7 @@ are medians of --rounds steps, taken in turn across the methods of one budget
 alike.  Overhead is step time over (e)'s in the same group -- and for (d) also
 over its own unbudgeted compiled step, since its decomposed ops run slower here.
 
-    python benchmarks/bench_apply.py [--rounds 3] [--skip-compile] [--skip-torch-sac] [--fracs 0.5]
+    python benchmarks/bench_apply.py [--rounds 3] [--skip-compile] [--skip-torch-sac] [--compiled-plan] [--fracs 0.5]
 """
 
 from __future__ import annotations
@@ -113,13 +115,26 @@ def torch_sac_decisions(frac: float) -> dict[str, float]:
     return {k.split(".", 1)[1] if "." in k else "": float(v) for k, v in decisions.items()}
 
 
+class UnderBudget(torch.nn.Module):
+    """A compiled model whose calls (where compilation happens) run with
+    torch._functorch.config.activation_memory_budget = frac."""
+
+    def __init__(self, compiled, frac: float):
+        super().__init__()
+        self.compiled, self.frac = compiled, frac
+
+    def forward(self, *args, **kwargs):
+        import torch._functorch.config as fconfig
+
+        with fconfig.patch(activation_memory_budget=self.frac):
+            return self.compiled(*args, **kwargs)
+
+
 def compiled(model, frac: float):
     import torch._dynamo
-    import torch._functorch.config as fconfig
 
     torch._dynamo.reset()
-    fconfig.activation_memory_budget = frac
-    return torch.compile(model, backend="aot_eager_decomp_partition")
+    return UnderBudget(torch.compile(model, backend="aot_eager_decomp_partition"), frac)
 
 
 class Stepper:
@@ -181,6 +196,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="timed steps per method, interleaved")
     ap.add_argument("--skip-compile", action="store_true")
     ap.add_argument("--skip-torch-sac", action="store_true")
+    ap.add_argument("--compiled-plan", action="store_true", help="also (f): the plan under torch.compile")
     ap.add_argument("--fracs", default=None, help="budgets as fractions of the peak, e.g. 0.5,0.7")
     ap.add_argument("--model", choices=sorted(MODELS), default="gpt2")
     args = ap.parse_args()
@@ -226,6 +242,10 @@ def main() -> None:
         if not args.skip_compile:
             group.append(Stepper("(d) compile", compiled(copy.deepcopy(base_model), frac), budget,
                                  reference=compile_ref))
+        if args.compiled_plan:
+            torch._dynamo.reset()
+            planned = torch.compile(autosac.apply(copy.deepcopy(base_model), plan), backend="aot_eager")
+            group.append(Stepper("(f) autosac+cc", UnderBudget(planned, 1.0), budget, plan))
         run_group(group, fresh, idx, args.rounds, rows, f"budget {frac:.1%} of the peak")
 
     print("\noverhead: median over rounds of step / mean of the unmodified steps just before and after it;")
