@@ -18,7 +18,23 @@ def test_saved_calls_are_named_by_op_and_occurrence():
     assert save_keys(calls, frozenset({2, 3})) == (("mm", 1), ("view", 0))
 
 
-def test_a_planned_model_compiles_whole_and_keeps_its_gradients_and_budget():
+def test_a_planned_model_compiles_whole_and_keeps_its_gradients_and_budget(monkeypatch):
+    from autosac.applier import compiled as compiled_path
+    from autosac.applier.region import RegionPolicy
+
+    used = {"compiled": 0, "eager": 0}
+    real_contexts, real_start = compiled_path.compiled_contexts, RegionPolicy.start
+
+    def counting_contexts(saved):
+        used["compiled"] += 1
+        return real_contexts(saved)
+
+    def counting_start(self, *args, **kwargs):
+        used["eager"] += 1
+        return real_start(self, *args, **kwargs)
+
+    monkeypatch.setattr(compiled_path, "compiled_contexts", counting_contexts)
+    monkeypatch.setattr(RegionPolicy, "start", counting_start)
     torch.manual_seed(0)
     model, idx = build_model("gpt2", device="cpu", batch=2, **CFG)
     stats = autosac.profile(model, idx, optimizer="sgd", target="cpu")
@@ -31,9 +47,11 @@ def test_a_planned_model_compiles_whole_and_keeps_its_gradients_and_budget():
     torch._dynamo.reset()
     explained = torch._dynamo.explain(model)(idx)
     assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
+    used.update(compiled=0, eager=0)
     compiled = torch.compile(model, backend="aot_eager")
     loss = compiled(idx).float().sum()
     loss.backward()
+    assert used["compiled"] >= 1 and used["eager"] == 0  # the region was traced with the plan's tags
     assert torch.equal(loss, expect)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p.grad, q.grad), name

@@ -141,7 +141,6 @@ def applied_plan(model: nn.Module) -> Plan | None:
     return None if state is None else state["plan"]
 
 
-@torch.compiler.disable
 def _checkpointed_forward(self, *args, **kwargs):
     # Looked up on ``self`` at call time, so a deepcopy of the model checkpoints
     # its own weights with its own policy.  Under torch.compile the module is

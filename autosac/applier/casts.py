@@ -30,6 +30,8 @@ def _param_behind(t: torch.Tensor) -> torch.nn.Parameter | None:
 
 
 def pack_cast(t: torch.Tensor):
+    if torch.compiler.is_compiling():  # a compiled graph: the partitioner decides (casts are MUST_RECOMPUTE)
+        return t
     if t.requires_grad and t.grad_fn is not None:
         param = _param_behind(t)
         if param is not None:
