@@ -1,6 +1,7 @@
 """The peak of an FX graph's op order, and orders that lower it: checked
 against the allocator of a real run of the same graph on CPU."""
 
+import copy
 import operator
 
 import pytest
@@ -208,3 +209,62 @@ def test_bad_input_is_one_clear_error():
     gm = fx.symbolic_trace(lambda x: x.relu())
     with pytest.raises(ValueError, match="pass example inputs"):
         schedule.memory_aware_order(gm)
+
+
+class _NormThenRead(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn = torch.nn.BatchNorm1d(64)
+
+    def forward(self, x):
+        big = x.exp()
+        out = self.bn(x)  # writes the running stats
+        return out, big.sum() + self.bn.running_mean  # reads them after
+
+
+def test_readers_of_state_a_module_or_kernel_writes_stay_after_the_write():
+    torch.manual_seed(0)
+    model = _NormThenRead().train()
+    x = torch.randn(32, 64)
+    gm = fx.symbolic_trace(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    better = schedule.memory_aware_order(gm, x)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # the analysis wrote nothing
+    expect = copy.deepcopy(gm)(x)
+    got = copy.deepcopy(better)(x)
+    assert all(torch.equal(a, b) for a, b in zip(expect, got))
+
+    def functional(x, rm, rv):  # batch norm as a call: its kernel writes rm and rv without saying so
+        big = x.exp()
+        out = F.batch_norm(x, rm, rv, training=True, momentum=0.5)
+        return out, big.sum() + rm
+
+    gm = fx.symbolic_trace(functional)
+    args = (x, torch.zeros(64), torch.ones(64))
+    better = schedule.memory_aware_order(gm, *args)
+    names = [n.name for n in better.graph.nodes]
+    assert names.index("batch_norm") < names.index("add")
+    expect = gm(*[a.clone() for a in args])
+    got = better(*[a.clone() for a in args])
+    assert all(torch.equal(a, b) for a, b in zip(expect, got))
+
+
+def test_the_analysis_leaves_the_callers_rng_alone_and_rng_state_calls_keep_their_place():
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.call_function(torch.manual_seed, (123,))
+    state = g.call_function(torch.get_rng_state, ())
+    a = g.call_function(torch.rand_like, (x,))
+    g.call_function(torch.set_rng_state, (state,))
+    b = g.call_function(torch.rand_like, (x,))
+    g.output((a, b))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    torch.manual_seed(7)
+    expect_next = torch.rand(3)
+    torch.manual_seed(7)
+    better = schedule.memory_aware_order(gm, torch.zeros(8))
+    assert torch.equal(torch.rand(3), expect_next)
+    order = [n.name for n in better.graph.nodes]
+    assert order == [n.name for n in gm.graph.nodes]
+    a, b = better(torch.zeros(8))
+    assert torch.equal(a, b)  # the state restored between the draws, as written

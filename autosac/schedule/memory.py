@@ -42,7 +42,9 @@ class GraphMemory:
     whether it has an effect beyond its result (an in-place write, a draw from
     the RNG, a collective, a module call, a Python side effect), so such nodes
     keep their order; ``nbytes[key]`` each storage's size; ``inputs`` the
-    placeholders' storages; ``outputs`` those the graph returns (never freed)."""
+    placeholders' storages; ``outputs`` those the graph returns (never freed);
+    ``held`` the module's parameters, buffers and constants the graph reads
+    (``get_attr``: already there, never freed)."""
 
     nodes: list[fx.Node]
     makes: list[list[int]] = field(default_factory=list)
@@ -52,41 +54,67 @@ class GraphMemory:
     nbytes: dict[int, int] = field(default_factory=dict)
     inputs: set[int] = field(default_factory=set)
     outputs: set[int] = field(default_factory=set)
+    held: set[int] = field(default_factory=set)  # the module's own tensors (get_attr): never made nor freed
 
 
 class _OpLog(TorchDispatchMode):
-    """The aten ops a node runs."""
+    """The aten ops a node runs, and the tensors they write (batch norm's
+    running stats included, which no version counter shows)."""
 
     def __init__(self):
         super().__init__()
         self.ops: list = []
+        self.written: list[torch.Tensor] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         self.ops.append(func)
-        return func(*args, **(kwargs or {}))
+        if isinstance(func, torch._ops.OpOverload):
+            self.written.extend(op_kind(func).written_tensors(args, kwargs))
+        return func(*args, **kwargs)
 
 
 class _Recorder(fx.Interpreter):
-    """Runs the graph, keeping every node's result, the tensors it wrote and
-    whether it has effects."""
+    """Runs the graph on fake tensors -- the module's own parameters and
+    buffers too, so nothing real is written -- keeping every node's result,
+    the tensors it wrote and whether it has effects."""
 
-    def __init__(self, gm: fx.GraphModule):
+    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode):
         super().__init__(gm, garbage_collect_values=False)
+        self.mode = mode
         self.results: dict[fx.Node, object] = {}
         self.written: dict[fx.Node, list[torch.Tensor]] = {}
         self.effects: dict[fx.Node, bool] = {}
+
+    def _fake(self, value):
+        return self.mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
+
+    def fetch_attr(self, target: str):
+        return self._fake(super().fetch_attr(target))
+
+    def call_module(self, target, args, kwargs):
+        module = super().fetch_attr(target)
+        state = {k: self._fake(v) for k, v in [*module.named_parameters(), *module.named_buffers()]}
+        return torch.func.functional_call(module, state, tuple(args), dict(kwargs))
 
     def run_node(self, n: fx.Node):
         if n.op == "call_function" and n.target is print:  # an effect: not run while measuring
             self.results[n], self.written[n], self.effects[n] = None, [], True
             return None
-        before = [(t, t._version) for a in n.all_input_nodes for t in _tensors(self.env.get(a))]
+        before = [(t, _version(t)) for a in n.all_input_nodes for t in _tensors(self.env.get(a))]
         with _OpLog() as log:
             out = super().run_node(n)
         self.results[n] = out
-        self.written[n] = [t for t, v in before if t._version != v]
+        self.written[n] = [t for t, v in before if _version(t) != v] + log.written
         self.effects[n] = bool(self.written[n]) or _has_effect(n, log.ops, out)
         return out
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has none: its writes are read from the ops
+        return -1
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -110,8 +138,8 @@ def _has_effect(n: fx.Node, ops: list, out) -> bool:
         kind = op_kind(func)
         if kind.random or kind.written or func.namespace in _COLLECTIVES:
             return True
-    # a call that ran no tensor op and returned no tensor did something else (a print, a log)
-    return not ops and not _tensors(out) and n.target is not operator.getitem
+    # a call that ran no tensor op did something else (a print, torch.get_rng_state, a log)
+    return not ops and n.target is not operator.getitem
 
 
 def graph_memory(gm: fx.GraphModule, *example_inputs) -> GraphMemory:
@@ -128,9 +156,9 @@ def graph_memory(gm: fx.GraphModule, *example_inputs) -> GraphMemory:
     from torch._guards import detect_fake_mode
 
     mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
+    with torch.random.fork_rng(devices=[]), mode:  # a seed set in the graph does not reach the caller's RNG
         fake = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
-        rec = _Recorder(gm)
+        rec = _Recorder(gm, mode)
         rec.run(*fake)
     mem = GraphMemory(list(gm.graph.nodes))
     keys: dict[StorageWeakRef, int] = {}
@@ -156,8 +184,12 @@ def graph_memory(gm: fx.GraphModule, *example_inputs) -> GraphMemory:
         mem.ordered.append(rec.effects.get(n, True))
         if n.op == "placeholder":
             mem.inputs.update(held[n])
+        if n.op == "get_attr":
+            mem.held.update(held[n])
         if n.op == "output":
             mem.outputs.update(reads)
+    if any(n.op == "call_module" for n in mem.nodes):  # a module call may write the state get_attr reads
+        mem.ordered = [o or n.op == "get_attr" for o, n in zip(mem.ordered, mem.nodes)]
     return mem
 
 
@@ -176,10 +208,10 @@ def replay_peak(mem: GraphMemory, order: list[int], free_inputs: bool = False) -
         for k in (*mem.makes[i], *mem.reads[i]):
             last[k] = pos
     base = sum(mem.nbytes[k] for k in mem.inputs) if free_inputs else 0
-    keep = mem.outputs if free_inputs else mem.outputs | mem.inputs
+    keep = mem.outputs | mem.held | (set() if free_inputs else mem.inputs)
     live = peak = base
     for pos, i in enumerate(order):
-        live += sum(mem.nbytes[k] for k in mem.makes[i] if k not in mem.inputs)
+        live += sum(mem.nbytes[k] for k in mem.makes[i] if k not in mem.inputs and k not in mem.held)
         peak = max(peak, live)
         for k in {*mem.makes[i], *mem.reads[i]}:
             if last[k] == pos and k not in keep:
@@ -201,7 +233,11 @@ def peak_bytes(gm: fx.GraphModule, *example_inputs, free_inputs: bool = False) -
             the result is then the peak above the inputs' total.
 
     Returns:
-        Bytes, counted per storage (views of one storage count once).
+        Bytes, counted per storage (views of one storage count once).  What a
+        node holds inside itself while it runs is not seen: a graph of
+        composite calls (``F.cross_entropy`` as one node) under-counts their
+        scratch memory; aten-level graphs (``make_fx``, AOTAutograd) have one
+        op per node.  The module's own tensors (``get_attr``) are not counted.
 
     Raises:
         TypeError: ``gm`` is not a GraphModule.

@@ -89,7 +89,7 @@ def _output_last(preds: list[set[int]]) -> list[set[int]]:
 def lower_bound(mem: GraphMemory, free_inputs: bool = False) -> int:
     """Bytes beyond the inputs that some moment of every order holds: a node's
     inputs and results together, or everything the graph returns."""
-    counted = (lambda k: True) if free_inputs else (lambda k: k not in mem.inputs)
+    counted = (lambda k: k not in mem.held) if free_inputs else (lambda k: k not in mem.inputs and k not in mem.held)
     need = [sum(mem.nbytes[k] for k in {*mem.reads[i], *mem.makes[i]} if counted(k)) for i in range(len(mem.nodes))]
     outputs = sum(mem.nbytes[k] for k in mem.outputs if counted(k))
     base = sum(mem.nbytes[k] for k in mem.inputs) if free_inputs else 0
@@ -158,13 +158,14 @@ class _Live:
     """Live bytes as nodes run, for the greedy and exact searches."""
 
     def __init__(self, mem: GraphMemory, free_inputs: bool):
-        self.keep = mem.outputs if free_inputs else mem.outputs | mem.inputs
-        self.counted = {k for k in mem.nbytes if free_inputs or k not in mem.inputs}
+        self.keep = mem.outputs | mem.held | (set() if free_inputs else mem.inputs)
+        self.counted = {k for k in mem.nbytes if k not in mem.held and (free_inputs or k not in mem.inputs)}
         self.users: dict[int, int] = {}  # storage -> bit mask of the nodes that make or read it
         for i in range(len(mem.nodes)):
             for k in {*mem.reads[i], *mem.makes[i]}:
                 self.users[k] = self.users.get(k, 0) | (1 << i)
-        self.made = [sum(mem.nbytes[k] for k in mem.makes[i] if k not in mem.inputs) for i in range(len(mem.nodes))]
+        self.made = [sum(mem.nbytes[k] for k in mem.makes[i] if k not in mem.inputs and k not in mem.held)
+                     for i in range(len(mem.nodes))]
         self.producer = {k: i for i in range(len(mem.nodes)) for k in mem.makes[i]}
         self.mem = mem
         self.base = sum(mem.nbytes[k] for k in mem.inputs) if free_inputs else 0
@@ -188,7 +189,7 @@ def _greedy_order(mem: GraphMemory, preds: list[set[int]], free_inputs: bool) ->
     for i in range(n):
         for k in {*mem.reads[i], *mem.makes[i]}:
             left[k] += 1
-    keep = mem.outputs if free_inputs else mem.outputs | mem.inputs
+    keep = mem.outputs | mem.held | (set() if free_inputs else mem.inputs)
     waiting = [set(p) for p in preds]
     succ: list[list[int]] = [[] for _ in range(n)]
     for i, ps in enumerate(preds):
@@ -199,7 +200,7 @@ def _greedy_order(mem: GraphMemory, preds: list[set[int]], free_inputs: bool) ->
     while ready:
         def gain(i):
             freed = sum(mem.nbytes[k] for k in {*mem.reads[i], *mem.makes[i]} if left[k] == 1 and k not in keep)
-            made = sum(mem.nbytes[k] for k in mem.makes[i] if k not in mem.inputs)
+            made = sum(mem.nbytes[k] for k in mem.makes[i] if k not in mem.inputs and k not in mem.held)
             return (made - freed, i)
 
         i = min(ready, key=gain)
