@@ -43,7 +43,7 @@ import weakref
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from autosac import ops
 from autosac.errors import PlanMismatchError
@@ -287,7 +287,7 @@ def _install_sharded(model: nn.Module, fqns: list[str], dtype) -> None:
     optimizer may hold, stay the same) and let FSDP2 take up the extension,
     as it does for a marked parameter at ``fully_shard``."""
     managed = _fsdp_params(model)
-    todo = []
+    todo: dict[int, tuple[str, object]] = {}  # one entry per FSDP2 parameter (tied names share one)
     for fqn in fqns:
         fp = managed.get(fqn)
         if fp is None:
@@ -299,9 +299,9 @@ def _install_sharded(model: nn.Module, fqns: list[str], dtype) -> None:
                 f"fully_shard was given MixedPrecisionPolicy(param_dtype={fp.mp_policy.param_dtype}); a downcast "
                 "gather replaces it: shard without param_dtype"
             )
-        if not _check_marked(fqn, fp.sharded_param._local_tensor, dtype) and fp not in [f for _, f in todo]:
-            todo.append((fqn, fp))
-    for fqn, fp in todo:
+        if not _check_marked(fqn, fp.sharded_param._local_tensor, dtype):
+            todo.setdefault(id(fp), (fqn, fp))
+    for fqn, fp in todo.values():
         fp.sharded_param._local_tensor = DowncastShard(fp.sharded_param._local_tensor, dtype, fqn)
         fp._sharded_param_data = DowncastShard(fp._sharded_param_data, dtype, fqn)
         fp._init_extensions()
@@ -386,8 +386,8 @@ class DowncastShard(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        first = next(a for a in _leaves(args, kwargs) if isinstance(a, DowncastShard))
-        wrappers = {id(a._data): a for a in _leaves(args, kwargs) if isinstance(a, DowncastShard)}
+        marked = [a for a in tree_leaves((args, kwargs)) if isinstance(a, DowncastShard)]
+        first, wrappers = marked[0], {id(a._data): a for a in marked}
         out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
         keep = op_kind(func).view or func in _SHARD_MAKERS or (
             func is aten._to_copy.default and kwargs.get("dtype", first.dtype) == first.dtype
@@ -499,20 +499,14 @@ class DowncastGathered(torch.Tensor):
             plain = torch.empty_strided(me.shape, me.stride(), dtype=me.dtype, device=me.device)
             return func(plain, *args[1:], **kwargs)
         if me is not None and op_kind(func).view and not any(
-                isinstance(a, DowncastGathered) for a in _leaves(args[1:], kwargs)):
+                isinstance(a, DowncastGathered) for a in tree_leaves((args[1:], kwargs))):
             out = func(me._data, *args[1:], **kwargs)
             return tree_map(lambda x: DowncastGathered(x, me.dtype, me.param_name)
                             if isinstance(x, torch.Tensor) else x, out)
-        name = next(a.param_name for a in _leaves(args, kwargs) if isinstance(a, DowncastGathered))
-        dtype = next(a._data.dtype for a in _leaves(args, kwargs) if isinstance(a, DowncastGathered))
+        used = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, DowncastGathered))
+        name, dtype = used.param_name, used._data.dtype
         raise RuntimeError(
             f"{name} is gathered in {dtype} (install_downcast_gather), but {func} used it outside a cast to "
             f"{dtype}, which the traced step never did: profile the step as it runs, or do not install the "
             f"downcast gather"
         )
-
-
-def _leaves(args, kwargs):
-    from torch.utils._pytree import tree_leaves
-
-    return tree_leaves((args, kwargs))

@@ -21,8 +21,6 @@ interleaved; bytes are what one rank hands the collective.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -30,7 +28,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from suite import gloo_group, run_ranks  # noqa: E402
 
 N = 64 * 2**20
 K = 100
@@ -68,14 +69,12 @@ def _methods(shards, world, rank):
 
 
 def _worker(rank, world, port, rounds, out_dir):
-    import torch.distributed as dist
-
     from autosac import native
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
+        import torch.distributed as dist
+
         assert native.available()
         torch.manual_seed(rank)
         per = N // K // world
@@ -96,27 +95,12 @@ def _worker(rank, world, port, rounds, out_dir):
                 times[k].append(time.perf_counter() - t)
         lines = [f"{k} {handed[k]} {' '.join(str(x) for x in ts)}" for k, ts in times.items()]
         (Path(out_dir) / f"rank{rank}").write_text("\n".join(lines))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(world: int, rounds: int) -> dict:
     """method -> (bytes one rank hands the collective, median seconds of the slowest rank)."""
-    port = _free_port()
     with tempfile.TemporaryDirectory() as d:
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, world, port, rounds, d)) for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(600)
-            assert p.exitcode == 0, "a rank failed"
+        run_ranks(_worker, world, rounds, d, timeout_s=600)
         per_rank = []
         for r in range(world):
             rows = {}

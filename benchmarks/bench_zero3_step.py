@@ -18,14 +18,16 @@ the same step (with_downcast_gather stats for the install).
 from __future__ import annotations
 
 import argparse
-import os
-import socket
+import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from suite import gloo_group, run_ranks  # noqa: E402
 
 BF16 = torch.bfloat16
 
@@ -35,17 +37,14 @@ def _cfg(args) -> dict:
 
 
 def _worker(rank, world, port, how, cfg, batch, steps, out_dir):
-    import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import autosac
     from autosac import zero3
     from autosac.models import build_model
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         torch.manual_seed(0)
         model, idx = build_model("gpt2", device="cpu", batch=batch, **cfg)
         if how == "downcast gather":
@@ -56,27 +55,12 @@ def _worker(rank, world, port, how, cfg, batch, steps, out_dir):
         fully_shard(model, **kw)
         m = autosac.measure(model, idx, optimizer="adamw", steps=steps, autocast=BF16)
         (Path(out_dir) / f"rank{rank}").write_text(f"{m.peak_bytes} {m.step_ms} {m.loss}")
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(how: str, cfg: dict, batch: int, steps: int, world: int = 2) -> tuple[int, float, float]:
     """(per-rank peak bytes, step ms, loss) of the slower rank."""
     with tempfile.TemporaryDirectory() as d:
-        ctx = mp.get_context("spawn")
-        port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, how, cfg, batch, steps, d)) for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(1200)
-            assert p.exitcode == 0, "a rank failed"
+        run_ranks(_worker, world, how, cfg, batch, steps, d, timeout_s=1200)
         rows = [(Path(d) / f"rank{r}").read_text().split() for r in range(world)]
     return max(int(r[0]) for r in rows), max(float(r[1]) for r in rows), float(rows[0][2])
 

@@ -6,6 +6,7 @@ predict the peak within 3 % of an independent measurement."""
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -135,8 +136,8 @@ def free_port() -> int:
 
 def run_ranks(target, world, *args, timeout_s: float = 120) -> None:
     """Run ``target(rank, world, port, *args)`` in ``world`` spawned processes
-    (a gloo process group's ranks), bounded in time; fail if any fails."""
-    import pytest
+    (a gloo process group's ranks), bounded in time; raise if any fails.
+    Benchmarks use it too."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -149,5 +150,22 @@ def run_ranks(target, world, *args, timeout_s: float = 120) -> None:
     for p in procs:
         if p.is_alive():
             p.kill()
-            pytest.fail("a rank timed out")
-        assert p.exitcode == 0
+            raise AssertionError("a rank timed out")
+    failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
+    assert not failed, f"rank(s) {failed} failed"
+
+
+@contextmanager
+def gloo_group(rank: int, world: int, port: int):
+    """This process as ``rank`` of a gloo process group on 127.0.0.1 for the
+    block (a worker of :func:`run_ranks`)."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -3,12 +3,11 @@ autocast is bitwise the same with and without the install, the all-gathers
 move half the bytes of the downcast parameters, and the planner's per-rank
 peak matches the measured one."""
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
-from suite import A100_CPU_KERNELS, run_ranks
+from suite import A100_CPU_KERNELS, gloo_group, run_ranks
 from torch import nn
 
 import autosac
@@ -67,10 +66,8 @@ def _step_worker(rank, world, port, install, out_dir):
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    try:
+    with gloo_group(rank, world, port):
         model, idx = _gpt()
         stats = _stats(model, idx)
         chosen = zero3.install_downcast_gather(model, stats) if install == "before" else []
@@ -124,8 +121,6 @@ def _step_worker(rank, world, port, install, out_dir):
             fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=BF16))
             with pytest.raises(ValueError, match="shard without param_dtype"):
                 zero3.install_downcast_gather(model, stats)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [3])
@@ -156,13 +151,10 @@ MEM_CFG = dict(n_layer=4, dim=256, n_head=4, seq=256, vocab=2048, dropout=0.0)
 
 
 def _peak_worker(rank, world, port, plan_json, out_dir):
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    try:
+    with gloo_group(rank, world, port):
         torch.manual_seed(0)
         model, idx = build_model("gpt2", device="cpu", batch=4, **MEM_CFG)
         plan = autosac.Plan.from_json(plan_json)
@@ -174,8 +166,6 @@ def _peak_worker(rank, world, port, plan_json, out_dir):
         fully_shard(model)
         peak = autosac.measure(model, idx, optimizer="adamw", steps=1, autocast=BF16).peak_bytes
         (Path(out_dir) / f"rank{rank}").write_text(str(peak))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_the_planner_counts_downcast_gathers_as_fsdp2_holds_them(tmp_path):
@@ -240,9 +230,7 @@ def _meta_worker(rank, world, port, when):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         model, idx = _gpt("meta")
         stats = _stats(model, idx)
         if when == "before":
@@ -282,8 +270,6 @@ def _meta_worker(rank, world, port, when):
         assert isinstance(model.blocks[0].mlp.fc.weight._local_tensor, zero3.DowncastShard)
         assert torch.equal(model.blocks[0].mlp.fc.weight._local_tensor._data, saved["blocks.0.mlp.fc.weight"])
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
@@ -323,12 +309,9 @@ def test_the_installed_model_keeps_its_parameter_objects_and_plain_checkpoints()
 
 
 def _changed_worker(rank, world, port, change):
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         model, idx = _gpt()
         zero3.install_downcast_gather(model, _stats(model, idx))
         if change == "data":
@@ -338,8 +321,6 @@ def _changed_worker(rank, world, port, change):
         with pytest.raises(RuntimeError, match="was changed after install_downcast_gather"):
             for block in model.blocks:
                 fully_shard(block)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("change", ["data", "dtype"])
