@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from autosac.plan import Plan
-from autosac.solver import solve_budget
+from autosac.solver import solve_budget, usable_budget
 from autosac.stats import ModelStats
 from autosac.trace import profile
 
@@ -28,6 +28,7 @@ def solve(
     reserve: str | int | float = 0,
     max_choices: int = 16,
     presolve: bool = True,
+    compile: str | None = None,
 ) -> Plan:
     """Pick which modules to checkpoint, and how much of each one's activations
     to discard, so the step's peak fits ``budget`` with the least recompute time.
@@ -47,6 +48,12 @@ def solve(
         max_choices: discard choices offered per module (breakpoints of its curve).
         presolve: when module intervals nest (sequential models), solve exactly by
             the chain DP first and hand its optimum to the MILP as bound and start.
+        compile: ``"aot_eager"`` to plan for ``torch.compile(model, backend="aot_eager")``:
+            the compiled step is traced (fake mode) with each candidate plan applied
+            and the budget lowered until the compiled peak fits
+            (:mod:`autosac.compile_fit`).  Needs the model (not stats), ``target="cpu"``,
+            one process, no autocast.  ``"inductor"`` is refused (its buffers are
+            not traceable); ``None`` plans the eager step.
 
     Returns:
         Plan: decisions {fqn: discard ratio}, the ops each recomputes, predicted peak.
@@ -54,7 +61,8 @@ def solve(
     Raises:
         InfeasibleBudgetError: no plan reaches the budget; ``.min_feasible_bytes`` says what does.
         SolveTimeoutError: the solver found no plan at all within ``time_limit_s``.
-        ValueError: a malformed budget, an unknown solver, or a model without example_inputs.
+        ValueError: a malformed budget, an unknown solver, a model without example_inputs,
+            or a ``compile=`` the planner cannot trace (see above).
         TypeError: neither an ``nn.Module`` nor a ModelStats.
 
     Example::
@@ -63,6 +71,13 @@ def solve(
         >>> plan.decisions
         {'blocks.0': 1.0, 'blocks.1.attn': 0.73, ...}
     """
+    if compile is not None:
+        from autosac.compile_fit import check_backend
+
+        check_backend(compile)
+        if not hasattr(model_or_stats, "named_modules"):
+            raise ValueError("solve(..., compile=...) traces the compiled step: pass the model and example_inputs, "
+                             "not stats")
     if isinstance(model_or_stats, ModelStats):
         stats = model_or_stats
     elif not hasattr(model_or_stats, "named_modules"):
@@ -77,5 +92,16 @@ def solve(
         stats = profile(model_or_stats, example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                         target=target, world_size=world_size, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                         autocast=autocast, shard_units=shard_units)
-    return solve_budget(stats, budget, solver=solver, time_limit_s=time_limit_s, reserve=reserve,
-                        max_choices=max_choices, presolve=presolve)
+    if compile is None:
+        return solve_budget(stats, budget, solver=solver, time_limit_s=time_limit_s, reserve=reserve,
+                            max_choices=max_choices, presolve=presolve)
+    from autosac.compile_fit import fit_for_compile
+    from autosac.solver.backends import BACKENDS
+    from autosac.solver.problem import build_problem
+
+    if solver not in BACKENDS:
+        raise ValueError(f"unknown solver {solver!r}: use one of {', '.join(BACKENDS)}")
+    budget_bytes = usable_budget(budget, reserve, build_problem(stats, max_choices).baseline_peak)
+    return fit_for_compile(model_or_stats, stats, budget_bytes, example_inputs, backend=compile, loss_fn=loss_fn,
+                           optimizer=optimizer, solver=solver, time_limit_s=time_limit_s, max_choices=max_choices,
+                           presolve=presolve)

@@ -17,7 +17,8 @@ _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def _model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="gpt2", help="built-in name (gpt2, llama-7b, ...) or package.module:factory")
+    p.add_argument("--model", default="gpt2", help="built-in name (gpt2, llama-7b, ...), hf:NAME (hf:llama, hf:gpt2, hf:bert, hf:mistral, "
+                        "hf:qwen2, hf:qwen3: a transformers config, no download) or package.module:factory")
     p.add_argument("--model-arg", action="append", default=[], metavar="K=V", help="config override, repeatable")
     p.add_argument("--batch", type=_positive_int, default=None)
     p.add_argument("--seq", type=_positive_int, default=None)

@@ -27,3 +27,7 @@ class SolveTimeoutError(RuntimeError):
 
 class PlanMismatchError(ValueError):
     """A plan does not fit the model it is applied to."""
+
+
+class UserError(Exception):
+    """A mistake in the command line or its inputs (a model spec, an option): reported in one line."""

@@ -52,7 +52,10 @@ def own_checkpointing(model: nn.Module) -> str | None:
     """A one-line reason when ``model`` already checkpoints by itself (transformers'
     ``gradient_checkpointing_enable()``), else None: its checkpoints would nest
     inside autosac's and its memory is not the plan's to count."""
-    if _is_transformers_model(model) and getattr(model, "is_gradient_checkpointing", False):
+    # transformers 5 names it is_activation_checkpointing (the old name warns)
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else \
+        "is_gradient_checkpointing"
+    if _is_transformers_model(model) and getattr(model, name, False):
         return (
             f"{type(model).__name__} has transformers' gradient checkpointing enabled: call "
             "model.gradient_checkpointing_disable() first -- autosac decides what to checkpoint"

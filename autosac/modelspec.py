@@ -1,5 +1,6 @@
 """Models named on the command line: a built-in name with config overrides,
-or ``package.module:factory``.  Shared by ``autosac plan``/``sweep`` and
+``hf:NAME`` (a transformers config, :mod:`autosac.models.hf`), or
+``package.module:factory``.  Shared by ``autosac plan``/``sweep`` and
 ``autosac verify``; every mistake is a :class:`UserError` with one line."""
 
 from __future__ import annotations
@@ -8,9 +9,9 @@ import importlib
 
 import torch
 
+from autosac.errors import UserError
 
-class UserError(Exception):
-    """A mistake in the command line or its inputs: reported in one line."""
+__all__ = ["UserError", "build_from_spec", "parse_value"]
 
 
 def parse_value(text: str):
@@ -26,7 +27,7 @@ def parse_value(text: str):
 
 
 def build_from_spec(spec: str, model_args: list[str], batch: int | None, seq: int | None, device: str = "meta"):
-    """``(model, example_inputs)`` from a built-in name or ``package.module:factory``.
+    """``(model, example_inputs)`` from a built-in name, ``hf:NAME`` or ``package.module:factory``.
 
     Raises:
         UserError: a malformed ``--model-arg``, a module that does not import,
@@ -42,6 +43,10 @@ def build_from_spec(spec: str, model_args: list[str], batch: int | None, seq: in
             raise UserError(f"--model-arg {item!r} is not KEY=VALUE")
         k, v = item.split("=", 1)
         kwargs[k.strip()] = parse_value(v.strip())
+    if spec.startswith("hf:"):
+        from autosac.models.hf import build_hf
+
+        return build_hf(spec[3:], kwargs, batch, seq, device)
     if ":" in spec:
         return _from_factory(spec, kwargs, batch, seq, device)
     from autosac.models import build_model

@@ -17,7 +17,8 @@ class RecomputeOp:
     """One op call a decision discards and recomputes: ``call`` indexes
     :attr:`Decision.calls`, ``occurrence`` counts earlier calls of the same op
     in the module's forward (for display); ``writers`` are the calls that wrote
-    its output in place, recomputed with it."""
+    its output in place, recomputed with it; ``module`` the submodule it ran
+    in, relative to the decision's (``""``: the module's own code)."""
 
     op: str
     call: int
@@ -26,6 +27,13 @@ class RecomputeOp:
     ms: float
     random: bool = False
     writers: list[int] = field(default_factory=list)
+    module: str = ""
+
+    @property
+    def label(self) -> str:
+        """How a table names it: where it ran and the op, e.g. ``attn.c_attn:addmm``."""
+        name = self.op.lstrip("_").removeprefix("native_")
+        return f"{self.module}:{name}" if self.module else name
 
 
 @dataclass
@@ -92,6 +100,9 @@ class Plan:
     autocast: str = ""  # the step runs under torch.autocast in this dtype ("bfloat16"), or ""
     sharding: str = ""  # with world_size > 1: how the FSDP2 units were chosen ("13 units one per block, and the root")
     gathered_dtypes: dict[str, str] = field(default_factory=dict)  # params it counts gathered downcast (autosac.zero3)
+    # made for torch.compile (autosac.compile_fit): {backend, eager_peak_bytes, eager_budget_bytes, rounds}; the
+    # predicted peak is then the compiled step's
+    compiled: dict = field(default_factory=dict)
     format: int = PLAN_FORMAT
 
     @property

@@ -10,9 +10,8 @@ def plan_table(plan) -> str:
     if plan.details:
         width = max(len("module"), *(len(f or "(root)") for f in plan.details))
         lines.append(f"{'module':<{width}}  {'discard':>7}  {'freed':>11}  {'recompute':>11}  ops")
-        for fqn in sorted(plan.details, key=lambda f: plan.details[f].fqn):
-            d = plan.details[fqn]
-            ops = ", ".join(f"{o.op}#{o.occurrence}" for o in d.ops[:4]) + (" ..." if len(d.ops) > 4 else "")
+        for fqn, d in plan.details.items():  # as the solver ordered them: the model's order
+            ops = ", ".join(o.label for o in d.ops[:4]) + (f" and {len(d.ops) - 4} more" if len(d.ops) > 4 else "")
             lines.append(
                 f"{fqn or '(root)':<{width}}  {d.ratio:>7.1%}  {format_bytes(d.discard_bytes):>11}"
                 f"  {d.recompute_ms:>8.2f} ms  {ops}"
@@ -28,7 +27,9 @@ def plan_table(plan) -> str:
            f"{', '.join(sorted(set(plan.gathered_dtypes.values())))} (autosac.zero3.install_downcast_gather)"]
           if plan.gathered_dtypes else []),
         f"baseline peak    {format_bytes(plan.baseline_peak_bytes)}",
-        f"planned peak     {format_bytes(plan.predicted_peak_bytes)}",
+        f"planned peak     {format_bytes(plan.predicted_peak_bytes)}"
+        + (f" under torch.compile(backend={plan.compiled.get('backend')!r}); eager "
+           f"{format_bytes(plan.compiled.get('eager_peak_bytes', 0))}" if plan.compiled else ""),
         f"budget           {format_bytes(plan.budget_bytes)}",
         f"recompute        {plan.recompute_ms:.2f} ms on a {plan.baseline_step_ms:.2f} ms step "
         f"(+{plan.overhead:.1%})",

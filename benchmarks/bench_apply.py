@@ -12,6 +12,8 @@ run so the ratios are measured side by side:
   (e) no checkpointing
   (f) with --compiled-plan: autosac's plan applied, then torch.compile(backend="aot_eager"):
       the decisions as the partitioner's recompute tags
+  (g) with --fit-compile: a plan fitted to the compiled step
+      (autosac.solve(..., compile="aot_eager")), applied, then torch.compile(backend="aot_eager")
 
 Peaks come from the profiler's allocator events (autosac.measure).  Step times
 are medians of --rounds steps, taken in turn across the methods of one budget
@@ -19,7 +21,8 @@ are medians of --rounds steps, taken in turn across the methods of one budget
 alike.  Overhead is step time over (e)'s in the same group -- and for (d) also
 over its own unbudgeted compiled step, since its decomposed ops run slower here.
 
-    python benchmarks/bench_apply.py [--rounds 3] [--skip-compile] [--skip-torch-sac] [--compiled-plan] [--fracs 0.5]
+    python benchmarks/bench_apply.py [--rounds 3] [--skip-compile] [--skip-torch-sac] [--compiled-plan] [--fit-compile]
+        [--fracs 0.5]
 """
 
 from __future__ import annotations
@@ -197,6 +200,8 @@ def main() -> None:
     ap.add_argument("--skip-compile", action="store_true")
     ap.add_argument("--skip-torch-sac", action="store_true")
     ap.add_argument("--compiled-plan", action="store_true", help="also (f): the plan under torch.compile")
+    ap.add_argument("--fit-compile", action="store_true",
+                    help="also (g): a plan fitted to the compiled step (solve(..., compile='aot_eager')), compiled")
     ap.add_argument("--fracs", default=None, help="budgets as fractions of the peak, e.g. 0.5,0.7")
     ap.add_argument("--model", choices=sorted(MODELS), default="gpt2")
     args = ap.parse_args()
@@ -246,6 +251,15 @@ def main() -> None:
             torch._dynamo.reset()
             planned = torch.compile(autosac.apply(copy.deepcopy(base_model), plan), backend="aot_eager")
             group.append(Stepper("(f) autosac+cc", UnderBudget(planned, 1.0), budget, plan))
+        if args.fit_compile:
+            t0 = time.perf_counter()
+            fitted = autosac.solve(base_model, budget, idx, target="cpu", compile="aot_eager")
+            print(f"  (g) fitted for compile in {time.perf_counter() - t0:.1f} s, {fitted.compiled['rounds']} rounds: "
+                  f"predicted {fitted.predicted_peak_bytes / MIB:.1f} MiB compiled "
+                  f"({fitted.compiled['eager_peak_bytes'] / MIB:.1f} MiB eager)", flush=True)
+            torch._dynamo.reset()
+            planned = torch.compile(autosac.apply(copy.deepcopy(base_model), fitted), backend="aot_eager")
+            group.append(Stepper("(g) cc-fitted", UnderBudget(planned, 1.0), budget, fitted))
         run_group(group, fresh, idx, args.rounds, rows, f"budget {frac:.1%} of the peak")
 
     print("\noverhead: median over rounds of step / mean of the unmodified steps just before and after it;")

@@ -4,6 +4,7 @@ equal eager's and the measured peak keeps the budget."""
 
 import copy
 
+import pytest
 import torch
 
 import autosac
@@ -119,3 +120,83 @@ def test_under_inductor_the_plan_keeps_its_budget_and_gradients_to_rounding():
     model.zero_grad(set_to_none=True)
     measured = autosac.measure(compiled, idx, optimizer="sgd", steps=1).peak_bytes
     assert measured <= plan.budget_bytes, (measured, plan.budget_bytes)
+
+
+# -- plans fitted to the compiled step (autosac.compile_fit) ---------------------------------------
+
+FIT_CFG = dict(n_layer=2, dim=128, n_head=4, seq=256, vocab=4096, dropout=0.1)
+
+
+def _compiled_measure(model, idx, plan):
+    planned = autosac.apply(copy.deepcopy(model), plan)
+    torch._dynamo.reset()
+    return autosac.measure(torch.compile(planned, backend="aot_eager"), idx, optimizer="sgd", steps=1).peak_bytes
+
+
+def test_a_plan_fitted_for_compile_keeps_the_budget_an_eager_plan_breaks_when_compiled():
+    """At 60 % the eager plan goes over its budget once compiled (dropout masks
+    are saved under compile; the partitioner saves other tensors); the plan
+    fitted to the compiled step keeps it, and its predicted peak is what the
+    profiler's allocator events measure."""
+    torch.manual_seed(0)
+    model, idx = build_model("gpt2", device="cpu", batch=4, **FIT_CFG)
+    stats = autosac.profile(model, idx, optimizer="sgd", target="cpu")
+    eager_plan = autosac.solve(stats, "60%")
+    over = _compiled_measure(model, idx, eager_plan)
+    assert over > eager_plan.budget_bytes, (over, eager_plan.budget_bytes)
+
+    plan = autosac.solve(model, "60%", idx, optimizer="sgd", target="cpu", compile="aot_eager")
+    assert plan.compiled["backend"] == "aot_eager" and plan.compiled["rounds"] >= 2
+    assert plan.budget_bytes == eager_plan.budget_bytes
+    assert autosac.applier.applied_plan(model) is None  # the model is left as it was
+    measured = _compiled_measure(model, idx, plan)
+    assert measured <= plan.budget_bytes, (measured, plan.budget_bytes)
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.005 * measured, (measured, plan.predicted_peak_bytes)
+    assert "under torch.compile(backend='aot_eager')" in str(plan)
+    again = autosac.Plan.from_json(plan.to_json())
+    assert again.compiled == plan.compiled
+
+
+def test_the_compiled_peak_matches_the_allocator_with_and_without_a_plan():
+    torch.manual_seed(0)
+    model, idx = build_model("gpt2", device="cpu", batch=4, **{**FIT_CFG, "dropout": 0.0})
+    plan = autosac.solve(autosac.profile(model, idx, optimizer="sgd", target="cpu"), "60%")
+    for applied in (None, plan):
+        m = copy.deepcopy(model)
+        if applied is not None:
+            autosac.apply(m, applied)
+        traced = autosac.trace.compiled_peak(m, idx, optimizer="sgd", backend="aot_eager").peak_bytes
+        torch._dynamo.reset()
+        measured = autosac.measure(torch.compile(m, backend="aot_eager"), idx, optimizer="sgd", steps=1).peak_bytes
+        assert abs(traced - measured) <= 0.005 * measured, (applied is not None, traced, measured)
+
+
+def test_tracing_a_compiled_step_leaves_no_dynamo_cache_entries_behind():
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    torch.manual_seed(0)
+    model, idx = build_model("gpt2", device="cpu", batch=2, **CFG)
+    torch._dynamo.reset()
+    autosac.trace.compiled_peak(model, idx, optimizer="sgd")
+    assert _debug_get_cache_entry_list(type(model).forward.__code__) == []
+    for p in model.parameters():  # the model's own tensors are untouched and real
+        assert type(p) is torch.nn.Parameter and not p.is_meta
+
+
+def test_plans_for_compile_refuse_what_they_cannot_trace():
+    torch.manual_seed(0)
+    model, idx = build_model("gpt2", device="cpu", batch=2, **CFG)
+    with pytest.raises(ValueError, match="compile='inductor' is not supported"):
+        autosac.solve(model, "60%", idx, target="cpu", compile="inductor")
+    with pytest.raises(ValueError, match="compile= must be one of"):
+        autosac.solve(model, "60%", idx, target="cpu", compile="tensorrt")
+    stats = autosac.profile(model, idx, optimizer="sgd", target="cpu")
+    with pytest.raises(ValueError, match="pass the model and example_inputs, not stats"):
+        autosac.solve(stats, "60%", compile="aot_eager")
+    with pytest.raises(ValueError, match="target='cpu'"):
+        autosac.solve(model, "60%", idx, target="h100", compile="aot_eager")
+    with pytest.raises(ValueError, match="not torch.compile"):
+        autosac.trace.compiled_peak(torch.compile(model), idx)
+    with pytest.raises(ValueError, match="backends"):
+        autosac.trace.compiled_peak(model, idx, backend="eager")
+    assert autosac.applier.applied_plan(model) is None

@@ -132,6 +132,11 @@ def test_cli_sweep_reuses_one_profile(capsys):
         (["plan", "--budget", "90%", "--model", "gpt-tiny", "--json", "/"], "IsADirectoryError|Errno"),
         (["plan", "--budget", "90%", "--model", "gpt-tiny", "--param-dtype", "bf16"], "needs world_size > 1"),
         (["plan", "--budget", "90%", "--model", "gpt-tiny", "--autocast", "fp32"], "invalid choice: 'fp32'"),
+        (["plan", "--budget", "50%", "--model", "hf:t5"], "unknown hf: model 't5': use one of hf:llama"),
+        (["plan", "--budget", "50%", "--model", "hf:llama", "--model-arg", "hidden_sise=64"],
+         "LlamaConfig has no hidden_sise"),
+        (["plan", "--budget", "50%", "--model", "hf:gpt2", "--model-arg", "n_layer=1", "--seq", "4096"],
+         "longer than hf:gpt2's 1024 positions: raise --model-arg n_positions=4096"),
     ],
 )
 def test_cli_user_mistakes_are_one_line(argv, match):
@@ -234,3 +239,48 @@ def test_verify_runs_the_plan_and_refuses_other_shapes(tmp_path, capsys):
     assert "peak, with the plan" in out and "kept" in out
     err = _cli_error(capsys, "verify", path, "--model", "gpt-tiny", "--batch", "4", "--seq", "64")
     assert "made for inputs args[0] (2, 64) int64, not args[0] (4, 64) int64" in err
+
+
+HF_SMALL = {
+    "llama": ["num_hidden_layers=2", "hidden_size=64", "intermediate_size=172", "num_attention_heads=4",
+              "num_key_value_heads=2", "vocab_size=256"],
+    "mistral": ["num_hidden_layers=2", "hidden_size=64", "intermediate_size=172", "num_attention_heads=4",
+                "num_key_value_heads=2", "vocab_size=256"],
+    "qwen2": ["num_hidden_layers=2", "hidden_size=64", "intermediate_size=172", "num_attention_heads=4",
+              "num_key_value_heads=2", "vocab_size=256"],
+    "gpt2": ["n_layer=2", "n_embd=64", "n_head=4", "vocab_size=256"],
+    "bert": ["num_hidden_layers=2", "hidden_size=64", "intermediate_size=256", "num_attention_heads=4",
+             "vocab_size=256"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(HF_SMALL))
+def test_hf_models_are_built_from_their_config_on_meta_and_planned(name, capsys):
+    """hf:NAME builds the transformers class from its config (no download) on
+    meta, with token ids from the config's vocabulary; the plan names its layers."""
+    pytest.importorskip("transformers")
+    from autosac.modelspec import build_from_spec
+
+    args = HF_SMALL[name]
+    model, ids = build_from_spec(f"hf:{name}", args, batch=2, seq=128)
+    assert model.training and all(p.is_meta for p in model.parameters())
+    assert type(model).__module__.startswith("transformers.")
+    assert ids.shape == (2, 128) and ids.device.type == "meta" and model.config.vocab_size == 256
+    assert model.config.num_hidden_layers == 2
+    code = main(["plan", "--model", f"hf:{name}", *[x for a in args for x in ("--model-arg", a)],
+                 "--batch", "2", "--seq", "128", "--budget", "85%", "--optimizer", "sgd"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"model            {type(model).__name__}" in out
+
+
+def test_the_plan_table_lists_modules_in_model_order_and_names_where_ops_ran():
+    model, idx = build_model("gpt2", device="meta", batch=8, n_layer=12, dim=128, n_head=4, seq=256, vocab=512)
+    plan = autosac.solve(model, "50%", idx)
+    rows = [line.split()[0] for line in str(plan).splitlines()[1:] if line.startswith("blocks.")]
+    assert len(rows) >= 11 and rows.index("blocks.2") < rows.index("blocks.10")
+    assert rows == sorted(rows, key=lambda f: int(f.split(".")[1]))
+    assert list(plan.decisions) == list(plan.details) == rows
+    labels = [o.label for d in plan.details.values() for o in d.ops]
+    assert "mlp.fc:addmm" in labels and "ln_1:layer_norm" in labels  # the submodule, and aten's name without native_
+    assert Plan.from_json(plan.to_json()).details == plan.details  # the order survives JSON

@@ -17,7 +17,7 @@ from autosac.solver.replay import ModuleReplay, saved_inside
 from autosac.solver.sharding import describe_units
 from autosac.stats import ModelStats
 
-__all__ = ["solve_budget", "solve_stats", "least_peak", "plan_from_decisions"]
+__all__ = ["solve_budget", "solve_stats", "usable_budget", "least_peak", "plan_from_decisions"]
 
 
 def solve_budget(
@@ -46,15 +46,27 @@ def solve_budget(
     if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0:
         raise ValueError(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
     problem = build_problem(stats, max_choices)
-    budget_bytes = parse_budget(budget, problem.baseline_peak)
+    budget_bytes = usable_budget(budget, reserve, problem.baseline_peak)
+    return solve_stats(stats, budget_bytes, solver=solver, time_limit_s=time_limit_s, max_choices=max_choices,
+                       presolve=presolve, problem=problem)
+
+
+def usable_budget(budget: str | int | float, reserve: str | int | float, baseline_peak: int) -> int:
+    """The bytes a plan may use: ``budget`` (percentages of ``baseline_peak``)
+    less ``reserve``.
+
+    Raises:
+        ValueError: a malformed budget or reserve, a percentage reserve, or a
+            reserve not smaller than the budget.
+    """
+    budget_bytes = parse_budget(budget, baseline_peak)
     if reserve:
         if isinstance(reserve, str) and reserve.strip().endswith("%"):
             raise ValueError("reserve must be an absolute size like '2GiB', not a percentage")
-        budget_bytes -= parse_budget(reserve, problem.baseline_peak, what="reserve")
+        budget_bytes -= parse_budget(reserve, baseline_peak, what="reserve")
         if budget_bytes <= 0:
             raise ValueError("reserve is not smaller than the budget: nothing left to plan for")
-    return solve_stats(stats, budget_bytes, solver=solver, time_limit_s=time_limit_s, max_choices=max_choices,
-                       presolve=presolve, problem=problem)
+    return budget_bytes
 
 
 def solve_stats(
@@ -233,6 +245,8 @@ def _make_plan(stats: ModelStats, problem: Problem, choice: dict[int, int], budg
         cand = problem.candidates[i]
         if cand.call == 0:  # one decision per module: every call runs the same policy
             details[cand.fqn] = _decision(stats, cand, k)
+    # in the order the modules first run: the model's order (blocks.2 before blocks.10)
+    details = dict(sorted(details.items(), key=lambda kv: stats.modules[kv[0]].fw_windows[0][0]))
     peak = problem.evaluate(choice)
     recompute = problem.recompute_ms(choice)
     return Plan(
@@ -246,6 +260,13 @@ def _make_plan(stats: ModelStats, problem: Problem, choice: dict[int, int], budg
         sharding=describe_units(stats) if stats.world_size > 1 else "",
         gathered_dtypes=dict(stats.gathered_dtypes),
     )
+
+
+def _relative(module: str, outer: str) -> str:
+    """``module``'s name inside ``outer`` ("" when it is ``outer`` itself)."""
+    if module == outer:
+        return ""
+    return module[len(outer) + 1:] if outer and module.startswith(outer + ".") else module
 
 
 def _decision(stats: ModelStats, cand, k: int) -> Decision:
@@ -263,6 +284,7 @@ def _decision(stats: ModelStats, cand, k: int) -> Decision:
         ops.append(RecomputeOp(
             op=op.op, call=local[op.event], occurrence=occ[op.event], bytes=op.bytes, ms=op.ms,
             random=op.random, writers=[local[w] for w in op.writer_events if w in local],
+            module=_relative(op.module, cand.fqn),
         ))
     ops.sort(key=lambda o: o.call)
     chosen = {stats.saved_ops[i].event for i in op_ids}

@@ -16,12 +16,13 @@ from autosac.optim import OptimizerSpec, optimizer_name
 from autosac.stats import ModelStats
 from autosac.trace.aggregate import aggregate
 from autosac.trace.autocast import check_autocast_dtype
+from autosac.trace.compiled import CompiledPeak, compiled_peak
 from autosac.trace.costs import CostModel
 from autosac.trace.step import trace_step
 from autosac.trace.units import refuse_sharded, resolve_shard_units
 from autosac.version import __version__
 
-__all__ = ["profile"]
+__all__ = ["profile", "compiled_peak", "CompiledPeak"]
 
 
 def profile(

@@ -67,7 +67,7 @@ def aggregate(
     """Plain statistics of one traced step (see :class:`ModelStats`)."""
     rec = step.recording
     n = len(rec.ops)
-    live, made = _memory_timeline(rec)
+    live, made = memory_timeline(rec)
     peak_event = int(np.argmax(live)) if n else 0
     peak_bytes = int(live[peak_event]) if n else sum(r.nbytes for r in rec.storages if r.created < 0)
     times = _module_times(rec)
@@ -77,7 +77,7 @@ def aggregate(
         model=model_name, fingerprint=fingerprint, target=target, world_size=world_size,
         optimizer=optimizer, peak_bytes=peak_bytes, peak_event=peak_event,
         peak_module=(rec.stacks[peak_event][-1] if n and rec.stacks[peak_event] else None),
-        peak_phase=rec.phases[peak_event] if n else "forward", peak_breakdown=_breakdown(rec, peak_event),
+        peak_phase=rec.phases[peak_event] if n else "forward", peak_breakdown=peak_breakdown(rec, peak_event),
         param_bytes=sum(ps.bytes for ps in step.params.values()), buffer_bytes=step.buffer_bytes,
         grad_bytes=sum(ps.grad_bytes for ps in step.params.values()),
         optimizer_bytes=sum(ps.optimizer_bytes for ps in step.params.values()),
@@ -98,7 +98,7 @@ def aggregate(
     )
 
 
-def _memory_timeline(rec) -> tuple[np.ndarray, np.ndarray]:
+def memory_timeline(rec) -> tuple[np.ndarray, np.ndarray]:
     """Bytes alive at each event (op scratch included), and bytes each event allocates."""
     n = len(rec.ops)
     live = _live_timeline(rec.storages, n)
@@ -112,7 +112,7 @@ def _memory_timeline(rec) -> tuple[np.ndarray, np.ndarray]:
     return live, made
 
 
-def _breakdown(rec, peak_event: int) -> dict[str, int]:
+def peak_breakdown(rec, peak_event: int) -> dict[str, int]:
     """Bytes alive at the peak, by kind (param, grad, act, ... and op scratch)."""
     n = len(rec.ops)
     out: dict[str, int] = defaultdict(int)

@@ -83,8 +83,14 @@ def trace_step(
     cost_model: CostModel | None = None,
     param_dtype: torch.dtype | None = None,
     autocast: torch.dtype | None = None,
+    compile_backend: str | None = None,
 ) -> TracedStep:
     """Trace forward, loss, backward and optimizer step; return the raw recording.
+
+    With ``compile_backend`` the forward runs as ``torch.compile(model,
+    backend=compile_backend)`` would run it: the recording holds the ops of the
+    compiled forward and backward graphs (and no module windows: compiled
+    code runs no module hooks).
 
     The model and the example inputs are left exactly as they were: parameters
     and buffers are swapped back, and attributes the forward assigned (under
@@ -108,9 +114,10 @@ def trace_step(
         with _gc_paused(), _fake_tensor_log_quiet(), fake_parameters(model, mode, param_dtype), mode:
             # FSDP2's mixed precision casts floating inputs to param_dtype too
             args, kwargs = tree_map(lambda x: _trace_input(x, param_dtype), (real_args, real_kwargs))
-            step = _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast)
+            once = (model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast, compile_backend)
+            step = _trace_once(*once)
             if before.grew():
-                step = _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast)
+                step = _trace_once(*once)
     finally:
         before.install()
     return step
@@ -159,6 +166,15 @@ def _as_on_target(spec, autocast: torch.dtype | None):
             yield
 
 
+class CompiledStepRecorder(StepRecorder):
+    """A recorder Dynamo compiles under: it is off while Dynamo and AOTAutograd
+    trace, and sees the ops the compiled graphs run."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+
 def _trace_input(x, dtype: torch.dtype | None = None):
     """A fake twin of an example input -- except small integer and boolean
     tensors on the cpu (token ids, masks, positions), which stay real so that
@@ -170,10 +186,11 @@ def _trace_input(x, dtype: torch.dtype | None = None):
     return _fake_like(x, x.requires_grad, dtype)
 
 
-def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast=None) -> TracedStep:
+def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast=None,
+                compile_backend=None) -> TracedStep:
     """One recorded step on a model whose parameters are already fake."""
     names = {id(m): fqn for fqn, m in model.named_modules()}
-    recorder = StepRecorder(cost_model)
+    recorder = (StepRecorder if compile_backend is None else CompiledStepRecorder)(cost_model)
     recorder.fake_mode = mode
     recorder.device_type = cost_model.spec.device_type
     opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
@@ -182,13 +199,17 @@ def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autoc
     buffer_bytes = _track_new(recorder, {id(b): b for b in model.buffers()}.values(), "buffer")
     input_bytes = _track_new(recorder, tree_leaves((args, kwargs)), "input")
     hooks = []
-    for mod in model.modules():
-        fqn = names[id(mod)]
-        hooks.append(mod.register_forward_pre_hook(_pre_hook(recorder, fqn), with_kwargs=True))
-        hooks.append(mod.register_forward_hook(_post_hook(recorder, fqn)))
+    runner = model
+    if compile_backend is None:
+        for mod in model.modules():
+            fqn = names[id(mod)]
+            hooks.append(mod.register_forward_pre_hook(_pre_hook(recorder, fqn), with_kwargs=True))
+            hooks.append(mod.register_forward_hook(_post_hook(recorder, fqn)))
+    else:
+        runner = torch.compile(model, backend=compile_backend)
     try:
         with _as_on_target(cost_model.spec, autocast):  # the user's forward and loss run under autocast
-            loss = _forward_and_loss(model, args, kwargs, loss_fn, recorder)
+            loss = _forward_and_loss(runner, args, kwargs, loss_fn, recorder)
         _backward_and_update(model, loss, opt, recorder)
     finally:
         for h in hooks:

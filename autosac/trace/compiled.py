@@ -1,0 +1,135 @@
+"""The peak of a training step as ``torch.compile`` runs it, traced in fake mode.
+
+A compiled step holds other tensors than the eager one: AOTAutograd's
+partitioner picks what the forward graph saves for the backward outside the
+checkpointed modules, and the backward graph frees its inputs in its own
+order.  :func:`compiled_peak` runs one steady-state step of
+``torch.compile(model, backend=...)`` under FakeTensorMode -- Dynamo and
+AOTAutograd trace the model as they do for the user, then the compiled
+forward and backward graphs run op by op under the step recorder, which
+counts their tensors as it counts an eager step's.  Nothing real is
+allocated, so a model on ``meta`` works.
+
+Backends: ``"aot_eager"`` runs the partitioned graphs as traced;
+``"inductor"`` cannot run on fake tensors (its kernels read memory), so its
+step is traced as ``"aot_eager_decomp_partition"`` -- inductor's
+decompositions and the same min-cut partitioner, without its fusions, which
+only remove intermediates (``benchmarks/results/bench_compiled_peak.txt``
+measures how close that is).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from autosac.devices import resolve_target
+from autosac.trace.aggregate import memory_timeline, peak_breakdown
+from autosac.trace.costs import CostModel
+from autosac.trace.step import trace_step
+
+__all__ = ["CompiledPeak", "compiled_peak", "TRACED_AS"]
+
+# the backend a compiled step is traced with, per backend the user compiles with
+TRACED_AS = {
+    "aot_eager": "aot_eager",
+    "inductor": "aot_eager_decomp_partition",
+    "aot_eager_decomp_partition": "aot_eager_decomp_partition",
+}
+
+
+@dataclass
+class CompiledPeak:
+    """Peak tensor bytes of one compiled training step (``peak_phase``:
+    forward, loss, backward or optimizer; ``breakdown``: bytes alive at the
+    peak by kind)."""
+
+    peak_bytes: int
+    peak_phase: str
+    breakdown: dict[str, int]
+    backend: str
+    traced_as: str
+
+
+def compiled_peak(
+    model: nn.Module,
+    example_inputs,
+    *,
+    loss_fn=None,
+    optimizer="adamw",
+    backend: str = "aot_eager",
+) -> CompiledPeak:
+    """The peak of one steady-state training step of ``torch.compile(model, backend=backend)``.
+
+    Counted as :func:`autosac.profile` counts an eager step (parameters,
+    gradients, optimizer state, inputs, activations and temporaries), on the
+    CPU's ops.  The model may have a plan applied (that is what this is for:
+    the plan's compiled regions carry its decisions) and may live on ``meta``.
+
+    Args:
+        model: the model to compile (not already compiled).
+        example_inputs: a tensor, a tuple of positional inputs, or ``(args, kwargs)``.
+        loss_fn, optimizer: as :func:`autosac.profile`.
+        backend: ``"aot_eager"``, ``"inductor"`` or ``"aot_eager_decomp_partition"``.
+
+    Returns:
+        CompiledPeak.
+
+    Raises:
+        ValueError: another backend, or a model already wrapped by ``torch.compile``.
+        TraceError: the compiled forward, the loss or the backward raised.
+
+    Dynamo's caches for the code this compiled are cleared afterwards (a
+    model the user compiled before recompiles on its next call).
+
+    Example::
+
+        >>> autosac.apply(model, plan)
+        >>> autosac.trace.compiled_peak(model, idx, backend="inductor").peak_bytes
+    """
+    if backend not in TRACED_AS:
+        raise ValueError(f"compiled peaks are traced for backends {', '.join(TRACED_AS)}, not {backend!r}")
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        raise ValueError("pass the model itself, not torch.compile(model): the compiled step is traced from it")
+    cost = CostModel(resolve_target("cpu"))
+    try:
+        with _dynamo_caches_cleared():
+            step = trace_step(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, cost_model=cost,
+                              compile_backend=TRACED_AS[backend])
+    finally:
+        cost.finish()
+    rec = step.recording
+    live, _ = memory_timeline(rec)
+    at = int(np.argmax(live)) if len(live) else 0
+    peak = int(live[at]) if len(live) else 0
+    phase = rec.phases[at] if len(live) else "forward"
+    return CompiledPeak(peak, phase, peak_breakdown(rec, at), backend, TRACED_AS[backend])
+
+
+@contextmanager
+def _dynamo_caches_cleared():
+    """Afterwards, drop Dynamo's cache entries on every code object that gained
+    one meanwhile: they were compiled for fake tensors and would only count
+    toward the recompile limit of the user's own ``torch.compile``."""
+    from torch._dynamo import convert_frame, reset_code
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    def entries() -> dict[int, tuple]:
+        found = {}
+        for ref in convert_frame.input_codes.seen:
+            code = ref()
+            if code is not None:
+                found[id(code)] = (code, len(_debug_get_cache_entry_list(code)))
+        return found
+
+    before = entries()
+    try:
+        yield
+    finally:
+        for key, (code, n) in entries().items():
+            if n > before.get(key, (None, 0))[1]:
+                reset_code(code)
