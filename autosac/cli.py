@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 import warnings
+from contextlib import contextmanager
 
 from autosac.budget import format_bytes, parse_budget
-from autosac.errors import InfeasibleBudgetError, SolveTimeoutError, StatsFormatError, TraceError
+from autosac.errors import MissingExtraError, SolveTimeoutError, StatsFormatError, TraceError
 from autosac.modelspec import UserError, build_from_spec
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -39,6 +41,32 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", default="adamw")
     p.add_argument("--solver", default="cbc", choices=["cbc", "highs"])
     p.add_argument("--time-limit", type=_positive_float, default=60.0, help="seconds for the solver")
+    p.add_argument("--quiet", action="store_true", help="no progress lines (they are shown only on a terminal)")
+
+
+class _Progress:
+    """Progress lines on stderr while profiling and solving: only on a terminal, never with --quiet."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.on = not quiet and sys.stderr.isatty()
+
+    @contextmanager
+    def stage(self, text: str):
+        start = time.perf_counter()
+        if self.on:
+            print(f"autosac: {text} ...", end="", file=sys.stderr, flush=True)
+        try:
+            yield self
+        finally:
+            if self.on:
+                print(f"\rautosac: {text}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+
+    def count(self, text: str):
+        """A callback ``(done, total)`` that rewrites one line."""
+        def show(done: int, total: int) -> None:
+            if self.on:
+                print(f"\rautosac: {text} {done}/{total} ...", end="", file=sys.stderr, flush=True)
+        return show
 
 
 def _positive_float(text: str) -> float:
@@ -72,8 +100,9 @@ def _profile(args):
     dtypes = {k: getattr(torch, _DTYPES[v]) for k, v in (("param_dtype", args.param_dtype),
                                                           ("reduce_dtype", args.reduce_dtype),
                                                           ("autocast", args.autocast)) if v}
-    stats = autosac.profile(model, inputs, optimizer=args.optimizer, target=args.target, world_size=args.world_size,
-                            shard_units=args.shard_units, **dtypes)
+    with _Progress(args.quiet).stage(f"profiling {type(model).__name__} (one training step in fake mode)"):
+        stats = autosac.profile(model, inputs, optimizer=args.optimizer, target=args.target,
+                                world_size=args.world_size, shard_units=args.shard_units, **dtypes)
     if args.downcast_gather:
         stats = autosac.zero3.with_downcast_gather(stats, dtypes["autocast"])
     return stats
@@ -84,8 +113,9 @@ def cmd_plan(args) -> int:
 
     parse_budget(args.budget, 1 << 60)  # reject a malformed budget before the profile runs
     stats = _profile(args)
-    plan = autosac.solve(stats, args.budget, solver=args.solver, time_limit_s=args.time_limit,
-                         reserve=args.reserve or 0)
+    with _Progress(args.quiet).stage(f"solving for {args.budget}"):
+        plan = autosac.solve(stats, args.budget, solver=args.solver, time_limit_s=args.time_limit,
+                             reserve=args.reserve or 0)
     print(plan)
     if args.json:
         plan.save(args.json)
@@ -95,48 +125,41 @@ def cmd_plan(args) -> int:
 
 def cmd_sweep(args) -> int:
     from autosac.report import sweep_table
-    from autosac.solver import solve_stats
-    from autosac.solver.problem import build_problem
+    from autosac.sweep import measure_sweep, sweep
 
-    for item in args.budgets.split(","):
-        parse_budget(item.strip(), 1 << 60)
+    budgets = [item.strip() for item in args.budgets.split(",")]
+    for item in budgets:
+        parse_budget(item, 1 << 60)
+    if args.plot:
+        _check_plot_extra()
+    if args.verify and args.target != "cpu":
+        raise UserError("--verify runs the plans on this machine's CPU: plan with --target cpu")
+    progress = _Progress(args.quiet)
     stats = _profile(args)
-    problem = build_problem(stats)
-    rows = []
-    for item in args.budgets.split(","):
-        budget = parse_budget(item.strip(), stats.peak_bytes)
-        try:
-            plan = solve_stats(stats, budget, solver=args.solver, time_limit_s=args.time_limit, problem=problem)
-        except InfeasibleBudgetError as e:
-            rows.append({"budget": budget, "error": f"infeasible (least peak {format_bytes(e.min_feasible_bytes)})"})
-            continue
-        rows.append({"budget": budget, "peak": plan.predicted_peak_bytes, "ms": plan.recompute_ms,
-                     "overhead": plan.overhead, "modules": len(plan.decisions), "status": plan.solver["status"]})
+    with progress.stage(f"solving {len(budgets)} budgets"):
+        result = sweep(stats, budgets, solver=args.solver, time_limit_s=args.time_limit,
+                       on_point=progress.count("solving budget"))
+    if args.verify:
+        model, inputs = build_from_spec(args.model, args.model_arg, args.batch, args.seq, device="cpu")
+        with progress.stage("running each plan for real (--verify)"):
+            measure_sweep(result, model, inputs, optimizer=args.optimizer)
     print(f"{stats.model} on {stats.target['name']}: baseline peak {format_bytes(stats.peak_bytes)}, "
           f"step {stats.step_ms:.2f} ms\n")
-    print(sweep_table(rows))
+    print(sweep_table(result))
     if args.plot:
-        _plot(rows, args.plot, stats)
+        from autosac.plot import pareto_plot
+
+        pareto_plot(result, args.plot)
+        print(f"\nplot written to {args.plot}")
     return 0
 
 
-def _plot(rows, path, stats) -> None:
+def _check_plot_extra() -> None:
+    """Before any work: --plot without matplotlib is one line naming the extra."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.figure  # noqa: F401
     except ImportError:
-        raise UserError("--plot needs matplotlib: pip install matplotlib") from None
-    ok = [r for r in rows if not r.get("error")]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([r["peak"] / 2**30 for r in ok], [100 * r["overhead"] for r in ok], "o-")
-    ax.set_xlabel("planned peak (GiB)")
-    ax.set_ylabel("recompute overhead (% of step)")
-    ax.set_title(f"{stats.model}: memory vs recompute")
-    fig.tight_layout()
-    fig.savefig(path)
-    print(f"\nplot written to {path}")
+        raise MissingExtraError("--plot needs matplotlib: pip install 'autosac[plot]'") from None
 
 
 def cmd_verify(args) -> int:
@@ -170,7 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("sweep", help="plan for several budgets from one profile")
     _model_options(s)
     s.add_argument("--budgets", default="90%,80%,70%,60%,50%,40%,30%")
-    s.add_argument("--plot", default=None, help="write a peak-vs-overhead plot (needs matplotlib)")
+    s.add_argument("--plot", default=None, metavar="FILE",
+                   help="draw budget vs recompute overhead to FILE (.png, .svg, .pdf; needs autosac[plot])")
+    s.add_argument("--verify", action="store_true",
+                   help="also run each plan for real on this CPU (with --target cpu) and plot the measured points")
     s.set_defaults(func=cmd_sweep)
     v = sub.add_parser("verify", help="run a plan for real on this machine: predicted vs measured")
     v.add_argument("plan")
@@ -187,8 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = lambda msg, *a, **k: f"{msg}\n"
     try:
         return args.func(args)
-    except (UserError, ValueError, TypeError, TraceError, SolveTimeoutError, StatsFormatError, OSError) as e:
-        name = type(e).__name__ if not isinstance(e, UserError) else "error"
+    except (UserError, MissingExtraError, ValueError, TypeError, TraceError, SolveTimeoutError, StatsFormatError,
+            OSError) as e:
+        name = "error" if isinstance(e, (UserError, MissingExtraError)) else type(e).__name__
         print(f"autosac: {name}: {e}", file=sys.stderr)
         return 2
 

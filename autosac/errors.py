@@ -31,3 +31,7 @@ class PlanMismatchError(ValueError):
 
 class UserError(Exception):
     """A mistake in the command line or its inputs (a model spec, an option): reported in one line."""
+
+
+class MissingExtraError(ImportError):
+    """An optional dependency is not installed; the message names the extra to install."""

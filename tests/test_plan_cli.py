@@ -111,11 +111,77 @@ def test_cli_sweep_reuses_one_profile(capsys):
                  "--budgets", "95%,85%,75%,1KiB"])
     out = capsys.readouterr().out
     assert code == 0
-    rows = out.strip().splitlines()[-4:]
-    assert [r.split()[-1] for r in rows[:3]] == ["optimal"] * 3
-    overheads = [float(r.split()[6].rstrip("%")) for r in rows[:3]]
+    rows = out.strip().splitlines()
+    plans = [r for r in rows if r.endswith("optimal")]
+    assert len(plans) == 3
+    overheads = [float(r.split()[6].rstrip("%")) for r in plans]
     assert overheads == sorted(overheads)  # less memory, more recompute
-    assert "infeasible (least peak" in rows[3]
+    assert any("infeasible (least peak" in r for r in rows)
+    assert any(r.strip().startswith("every block") for r in rows) and any(r.strip().startswith("none") for r in rows)
+
+
+def test_sweep_measured_keeps_each_budget_and_plots(tmp_path):
+    """Each point's plan, run for real, keeps its budget and peaks where it
+    was predicted; checkpointing every block is the repeated layers; the plot
+    is written."""
+    pytest.importorskip("matplotlib")
+    from autosac.plot import pareto_plot
+    from autosac.sweep import measure_sweep, repeated_blocks, sweep
+
+    model, idx = build_model("seed-transformer", n_layer=3, seq=128, device="cpu")
+    stats = autosac.profile(model, idx, target="cpu", optimizer="sgd")
+    assert repeated_blocks(stats) == ["blocks.0", "blocks.1", "blocks.2"]
+    result = sweep(stats, ["90%", "80%", "1KiB"])
+    assert [p.plan is not None for p in result.points] == [True, True, False]
+    assert result.least_peak_bytes is not None and result.least_peak_bytes > 1024
+    measure_sweep(result, model, idx, steps=1)
+    for p in [*result.points[:2], result.full_ac]:
+        assert p.measured_peak_bytes <= p.budget_bytes or p is result.full_ac, (p.measured_peak_bytes, p.budget_bytes)
+        assert abs(p.measured_peak_bytes - p.peak_bytes) <= 0.01 * p.measured_peak_bytes
+    assert abs(result.measured_baseline_peak_bytes - result.baseline_peak_bytes) <= 0.01 * result.baseline_peak_bytes
+    pareto_plot(result, tmp_path / "pareto.png")
+    assert (tmp_path / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pareto_plot(result, tmp_path / "pareto.svg")
+    assert b"<svg" in (tmp_path / "pareto.svg").read_bytes()[:400]
+
+
+def test_plot_without_matplotlib_is_one_line_naming_the_extra(tmp_path):
+    code = ("import sys; sys.modules['matplotlib'] = None; from autosac.cli import main; "
+            f"sys.exit(main(['sweep', '--model', 'gpt-tiny', '--plot', {str(tmp_path / 'p.png')!r}]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "autosac: error: --plot needs matplotlib: pip install 'autosac[plot]'"
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_progress_shows_on_a_terminal_only_and_never_with_quiet():
+    import os
+    import pty
+
+    argv = [sys.executable, "-m", "autosac.cli", "plan", "--model", "gpt-tiny", "--budget", "90%"]
+    piped = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert piped.returncode == 0 and piped.stderr.strip() == ""
+    for quiet in (False, True):
+        leader, follower = pty.openpty()
+        proc = subprocess.run(argv + (["--quiet"] if quiet else []), stdout=subprocess.PIPE, stderr=follower,
+                              timeout=120)
+        os.close(follower)
+        shown = b""
+        while True:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            shown += chunk
+        os.close(leader)
+        assert proc.returncode == 0
+        text = shown.decode()
+        if quiet:
+            assert "profiling" not in text
+        else:
+            assert "autosac: profiling GPT (one training step in fake mode):" in text and "solving for 90%" in text
 
 
 @pytest.mark.parametrize(

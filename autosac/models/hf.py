@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from autosac.errors import UserError
+from autosac.errors import MissingExtraError, UserError
 
 # name -> (config class, model class) in transformers
 HF_MODELS = {
@@ -37,14 +37,15 @@ def build_hf(name: str, kwargs: dict, batch: int | None, seq: int | None, device
     smaller), ``batch`` to 1.  The model is in training mode.
 
     Raises:
-        UserError: transformers is not installed, ``name`` is unknown or missing
+        MissingExtraError: transformers is not installed.
+        UserError: ``name`` is unknown or missing
             from the installed transformers, a config key the config class does
             not have, a config transformers rejects, ``seq`` beyond the positions.
     """
     try:
         import transformers
     except ImportError:
-        raise UserError("hf: models need transformers: pip install 'autosac[hf]'") from None
+        raise MissingExtraError("hf: models need transformers: pip install 'autosac[hf]'") from None
     if name not in HF_MODELS:
         raise UserError(f"unknown hf: model {name!r}: use one of {', '.join('hf:' + n for n in HF_MODELS)}")
     config_name, model_name = HF_MODELS[name]

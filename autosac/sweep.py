@@ -1,0 +1,173 @@
+"""The memory/recompute tradeoff of one profiled step: plans for many budgets
+from one profile, beside the two obvious alternatives -- no checkpointing, and
+checkpointing every block whole -- and the least budget any plan reaches.
+
+Plain data, like a :class:`Plan`; :mod:`autosac.plot` draws it, and
+:func:`measure_sweep` adds measured points.
+
+Example::
+
+    >>> stats = autosac.profile(model, idx, target="cpu")
+    >>> result = autosac.sweep.sweep(stats, ["90%", "70%", "50%"])
+    >>> [(p.budget_bytes, p.overhead) for p in result.points]
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from autosac.budget import parse_budget
+from autosac.errors import InfeasibleBudgetError
+from autosac.plan import Plan
+from autosac.solver import least_peak, plan_from_decisions, solve_stats
+from autosac.solver.problem import build_problem
+from autosac.stats import ModelStats
+
+__all__ = ["SweepPoint", "Sweep", "sweep", "repeated_blocks", "measure_sweep"]
+
+
+@dataclass
+class SweepPoint:
+    """One budget's plan: predicted peak, recompute ms and overhead (recompute
+    over the unmodified step), or ``error`` when no plan fits; ``measured_*``
+    after :func:`measure_sweep`."""
+
+    budget_bytes: int
+    peak_bytes: int | None = None
+    recompute_ms: float | None = None
+    overhead: float | None = None
+    modules: int = 0
+    status: str = ""
+    error: str = ""
+    plan: Plan | None = None
+    measured_peak_bytes: int | None = None
+    measured_overhead: float | None = None
+
+
+@dataclass
+class Sweep:
+    """Plans for several budgets from one profile, and what to compare them with.
+
+    ``full_ac`` is the plan that recomputes every block of ``blocks`` whole
+    (``torch.utils.checkpoint`` around each), predicted by the same model;
+    ``least_peak_bytes`` the least peak any plan reaches (None if the solver
+    found none in time)."""
+
+    model: str
+    target: str
+    baseline_peak_bytes: int
+    step_ms: float
+    least_peak_bytes: int | None
+    points: list[SweepPoint]
+    blocks: list[str] = field(default_factory=list)
+    full_ac: SweepPoint | None = None
+    measured_baseline_peak_bytes: int | None = None
+
+
+def repeated_blocks(stats: ModelStats) -> list[str]:
+    """The model's blocks: the largest group of same-typed siblings that hold
+    activations to discard (a transformer's layers; the group with more such
+    bytes on a tie), in model order; ``[]`` when no module has two such
+    children of one type.
+
+    Example::
+
+        >>> repeated_blocks(stats)
+        ['blocks.0', 'blocks.1', ...]
+    """
+    def weight(group: list[str]) -> tuple[int, int]:
+        return len(group), sum(stats.modules[c].discardable_bytes for c in group)
+
+    best: list[str] = []
+    for mod in stats.modules.values():
+        kids = [c for c in mod.children if c in stats.modules and stats.modules[c].discardable_bytes > 0]
+        for kind in Counter(stats.modules[c].type for c in kids):
+            group = [c for c in kids if stats.modules[c].type == kind]
+            if len(group) >= 2 and weight(group) > weight(best):
+                best = group
+    return sorted(best, key=lambda f: stats.modules[f].fw_pre_order)
+
+
+def sweep(
+    stats: ModelStats,
+    budgets: list,
+    *,
+    solver: str = "cbc",
+    time_limit_s: float = 60,
+    on_point: Callable[[int, int], None] | None = None,
+) -> Sweep:
+    """Solve ``stats`` for each budget.
+
+    Args:
+        stats: from :func:`autosac.profile`.
+        budgets: budgets in any form :func:`autosac.solve` takes (``"60%"``, ``"8GiB"``, bytes).
+        solver, time_limit_s: as :func:`autosac.solve`.
+        on_point: called as ``on_point(done, total)`` after each budget (progress display).
+
+    Returns:
+        Sweep, its points in the order of ``budgets``; a budget no plan reaches
+        is a point with ``error`` set, not an exception.
+
+    Raises:
+        ValueError: a malformed budget (before anything is solved).
+    """
+    parsed = [parse_budget(b, stats.peak_bytes) for b in budgets]
+    problem = build_problem(stats)
+    least = least_peak(problem, solver=solver, time_limit_s=time_limit_s)
+    points = []
+    for i, budget in enumerate(parsed):
+        try:
+            plan = solve_stats(stats, budget, solver=solver, time_limit_s=time_limit_s, problem=problem)
+        except InfeasibleBudgetError as e:
+            points.append(SweepPoint(budget, status="infeasible", error=f"least peak {e.min_feasible_bytes}"))
+        else:
+            points.append(_point(plan, budget))
+        if on_point is not None:
+            on_point(i + 1, len(parsed))
+    blocks = repeated_blocks(stats)
+    full = None
+    if blocks:
+        full_plan = plan_from_decisions(stats, {b: 1.0 for b in blocks})
+        full = _point(full_plan, full_plan.predicted_peak_bytes)
+        full.status = f"every block ({len(blocks)}) whole"
+    return Sweep(stats.model, stats.target.get("name", "?"), stats.peak_bytes, stats.step_ms,
+                 None if least is None else least[0], points, blocks, full)
+
+
+def _point(plan: Plan, budget: int) -> SweepPoint:
+    return SweepPoint(budget, plan.predicted_peak_bytes, plan.recompute_ms, plan.overhead, len(plan.decisions),
+                      plan.solver.get("status", ""), plan=plan)
+
+
+def measure_sweep(result: Sweep, model, example_inputs, *, steps: int = 2, optimizer: str | None = None) -> Sweep:
+    """Run each point's plan for real on this machine (a copy of ``model`` per
+    plan) and fill its ``measured_peak_bytes`` and ``measured_overhead`` (step
+    time over the unmodified model's, measured in the same call).
+
+    Args:
+        result: from :func:`sweep` on this model's profile.
+        model: the model with real weights, on the device the plans were made for.
+        example_inputs: as profiled.
+        steps: timed steps per plan (after one untimed step).
+        optimizer: as profiled (default: the plan's).
+
+    Returns:
+        ``result``, filled in.
+    """
+    from autosac.applier import apply
+    from autosac.measure import measure
+
+    plans = [p for p in [*result.points, result.full_ac] if p is not None and p.plan is not None]
+    if not plans:
+        return result
+    opt = optimizer or plans[0].plan.optimizer
+    base = measure(copy.deepcopy(model), example_inputs, steps=steps, optimizer=opt)
+    result.measured_baseline_peak_bytes = base.peak_bytes
+    for point in plans:
+        got = measure(apply(copy.deepcopy(model), point.plan), example_inputs, steps=steps, optimizer=opt)
+        point.measured_peak_bytes = got.peak_bytes
+        point.measured_overhead = got.step_ms / base.step_ms - 1
+    return result
