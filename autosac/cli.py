@@ -137,13 +137,13 @@ def cmd_sweep(args) -> int:
     progress = _Progress(args.quiet)
     stats = _profile(args)
     with progress.stage(f"solving {len(budgets)} budgets"):
-        result = sweep(stats, budgets, solver=args.solver, time_limit_s=args.time_limit,
+        result = sweep(stats, budgets, solver=args.solver, time_limit_s=args.time_limit, reserve=args.reserve or 0,
                        on_point=progress.count("solving budget"))
     if args.verify:
         model, inputs = build_from_spec(args.model, args.model_arg, args.batch, args.seq, device="cpu")
         with progress.stage("running each plan for real (--verify)"):
             measure_sweep(result, model, inputs, optimizer=args.optimizer)
-    print(f"{stats.model} on {stats.target['name']}: baseline peak {format_bytes(stats.peak_bytes)}, "
+    print(f"{stats.model} on {stats.target['name']}: baseline peak {format_bytes(result.baseline_peak_bytes)}, "
           f"step {stats.step_ms:.2f} ms\n")
     print(sweep_table(result))
     if args.plot:
@@ -193,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("sweep", help="plan for several budgets from one profile")
     _model_options(s)
     s.add_argument("--budgets", default="90%,80%,70%,60%,50%,40%,30%")
+    s.add_argument("--reserve", default=None, help="headroom to keep free under every budget, e.g. 2GiB")
     s.add_argument("--plot", default=None, metavar="FILE",
                    help="draw budget vs recompute overhead to FILE (.png, .svg, .pdf; needs autosac[plot])")
     s.add_argument("--verify", action="store_true",

@@ -71,7 +71,7 @@ class Plan:
 
     ``decisions`` maps module fqn -> discard ratio; ``details`` holds, per
     decision, the exact op calls it recomputes.  Bytes are peak tensor bytes of
-    one training step (DESIGN.md); times are ms on ``target``.
+    one training step (docs/memory-model.md); times are ms on ``target``.
 
     Example::
 

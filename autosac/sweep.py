@@ -19,10 +19,9 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from autosac.budget import parse_budget
 from autosac.errors import InfeasibleBudgetError
 from autosac.plan import Plan
-from autosac.solver import least_peak, plan_from_decisions, solve_stats
+from autosac.solver import least_peak, plan_from_decisions, solve_stats, usable_budget
 from autosac.solver.problem import build_problem
 from autosac.stats import ModelStats
 
@@ -58,7 +57,7 @@ class Sweep:
 
     model: str
     target: str
-    baseline_peak_bytes: int
+    baseline_peak_bytes: int  # the unconstrained step's (per rank), as Plan.baseline_peak_bytes
     step_ms: float
     least_peak_bytes: int | None
     points: list[SweepPoint]
@@ -97,6 +96,7 @@ def sweep(
     *,
     solver: str = "cbc",
     time_limit_s: float = 60,
+    reserve: str | int | float = 0,
     on_point: Callable[[int, int], None] | None = None,
 ) -> Sweep:
     """Solve ``stats`` for each budget.
@@ -104,7 +104,8 @@ def sweep(
     Args:
         stats: from :func:`autosac.profile`.
         budgets: budgets in any form :func:`autosac.solve` takes (``"60%"``, ``"8GiB"``, bytes).
-        solver, time_limit_s: as :func:`autosac.solve`.
+        solver, time_limit_s, reserve: as :func:`autosac.solve` (percentages are of the
+            same unconstrained per-rank peak, and the reserve comes off every budget).
         on_point: called as ``on_point(done, total)`` after each budget (progress display).
 
     Returns:
@@ -112,10 +113,10 @@ def sweep(
         is a point with ``error`` set, not an exception.
 
     Raises:
-        ValueError: a malformed budget (before anything is solved).
+        ValueError: a malformed budget or reserve (before anything is solved).
     """
-    parsed = [parse_budget(b, stats.peak_bytes) for b in budgets]
     problem = build_problem(stats)
+    parsed = [usable_budget(b, reserve, problem.baseline_peak) for b in budgets]
     least = least_peak(problem, solver=solver, time_limit_s=time_limit_s)
     points = []
     for i, budget in enumerate(parsed):
@@ -133,7 +134,7 @@ def sweep(
         full_plan = plan_from_decisions(stats, {b: 1.0 for b in blocks})
         full = _point(full_plan, full_plan.predicted_peak_bytes)
         full.status = f"every block ({len(blocks)}) whole"
-    return Sweep(stats.model, stats.target.get("name", "?"), stats.peak_bytes, stats.step_ms,
+    return Sweep(stats.model, stats.target.get("name", "?"), problem.baseline_peak, stats.step_ms,
                  None if least is None else least[0], points, blocks, full)
 
 

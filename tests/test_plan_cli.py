@@ -350,3 +350,16 @@ def test_the_plan_table_lists_modules_in_model_order_and_names_where_ops_ran():
     labels = [o.label for d in plan.details.values() for o in d.ops]
     assert "mlp.fc:addmm" in labels and "ln_1:layer_norm" in labels  # the submodule, and aten's name without native_
     assert Plan.from_json(plan.to_json()).details == plan.details  # the order survives JSON
+
+
+def test_sweep_budgets_mean_what_solve_budgets_mean_sharded_and_with_a_reserve():
+    from autosac.sweep import sweep
+
+    model, idx = build_model("gpt2", device="meta", batch=8, n_layer=4, dim=128, n_head=4, seq=256, vocab=512)
+    stats = autosac.profile(model, idx, world_size=4)
+    result = sweep(stats, ["80%", "60%"], reserve="1MiB")
+    for text, point in zip(["80%", "60%"], result.points):
+        plan = autosac.solve(stats, text, reserve="1MiB")
+        assert point.budget_bytes == plan.budget_bytes
+        assert point.plan is not None and point.plan.decisions == plan.decisions
+    assert result.baseline_peak_bytes == plan.baseline_peak_bytes != stats.peak_bytes
