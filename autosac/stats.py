@@ -157,7 +157,10 @@ class Timeline:
 
 @dataclass
 class ModelStats:
-    """One training step, profiled.  ``peak_bytes`` is the unconstrained peak.
+    """One training step, profiled.  ``peak_bytes`` is the unconstrained peak
+    of the traced step.  With ``world_size > 1`` the trace is of the whole
+    (unsharded) model; one rank's unconstrained peak, which budget
+    percentages are of, is a plan's ``baseline_peak_bytes`` (and a sweep's).
 
     Example::
 
