@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from autosac.devices import resolve_target
 from autosac.plan import Plan
-from autosac.solver import solve_budget, usable_budget
+from autosac.solver import check_solve_options, solve_budget
 from autosac.stats import ModelStats
 from autosac.trace import profile
 
@@ -71,13 +72,15 @@ def solve(
         >>> plan.decisions
         {'blocks.0': 1.0, 'blocks.1.attn': 0.73, ...}
     """
+    check_solve_options(solver, time_limit_s)  # before the profile, which may take a while
     if compile is not None:
-        from autosac.compile_fit import check_backend
+        from autosac.compile_fit import check_backend, check_setting
 
         check_backend(compile)
         if not hasattr(model_or_stats, "named_modules"):
             raise ValueError("solve(..., compile=...) traces the compiled step: pass the model and example_inputs, "
                              "not stats")
+        check_setting(resolve_target(target).device_type, world_size, autocast is not None)
     if isinstance(model_or_stats, ModelStats):
         stats = model_or_stats
     elif not hasattr(model_or_stats, "named_modules"):
@@ -85,10 +88,6 @@ def solve(
     else:
         if example_inputs is None:
             raise ValueError("solve(model, ...) needs example_inputs= to profile the model (or pass a ModelStats)")
-        from autosac.solver.backends import BACKENDS
-
-        if solver not in BACKENDS:  # before the profile, which may take a while
-            raise ValueError(f"unknown solver {solver!r}: use one of {', '.join(BACKENDS)}")
         stats = profile(model_or_stats, example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                         target=target, world_size=world_size, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                         autocast=autocast, shard_units=shard_units)
@@ -96,12 +95,7 @@ def solve(
         return solve_budget(stats, budget, solver=solver, time_limit_s=time_limit_s, reserve=reserve,
                             max_choices=max_choices, presolve=presolve)
     from autosac.compile_fit import fit_for_compile
-    from autosac.solver.backends import BACKENDS
-    from autosac.solver.problem import build_problem
 
-    if solver not in BACKENDS:
-        raise ValueError(f"unknown solver {solver!r}: use one of {', '.join(BACKENDS)}")
-    budget_bytes = usable_budget(budget, reserve, build_problem(stats, max_choices).baseline_peak)
-    return fit_for_compile(model_or_stats, stats, budget_bytes, example_inputs, backend=compile, loss_fn=loss_fn,
-                           optimizer=optimizer, solver=solver, time_limit_s=time_limit_s, max_choices=max_choices,
-                           presolve=presolve)
+    return fit_for_compile(model_or_stats, stats, budget, example_inputs, backend=compile, loss_fn=loss_fn,
+                           optimizer=optimizer, reserve=reserve, solver=solver, time_limit_s=time_limit_s,
+                           max_choices=max_choices, presolve=presolve)

@@ -105,17 +105,28 @@ def _profile(args):
                                 world_size=args.world_size, shard_units=args.shard_units, **dtypes)
     if args.downcast_gather:
         stats = autosac.zero3.with_downcast_gather(stats, dtypes["autocast"])
-    return stats
+    return stats, model, inputs
 
 
 def cmd_plan(args) -> int:
     import autosac
 
     parse_budget(args.budget, 1 << 60)  # reject a malformed budget before the profile runs
-    stats = _profile(args)
-    with _Progress(args.quiet).stage(f"solving for {args.budget}"):
-        plan = autosac.solve(stats, args.budget, solver=args.solver, time_limit_s=args.time_limit,
-                             reserve=args.reserve or 0)
+    if args.compile:
+        from autosac.compile_fit import check_backend, check_setting, fit_for_compile
+
+        check_backend(args.compile)
+        check_setting(autosac.devices.resolve_target(args.target).device_type, args.world_size, bool(args.autocast))
+    stats, model, inputs = _profile(args)
+    if args.compile:
+        with _Progress(args.quiet).stage(f"fitting a plan for {args.budget} to the compiled step"):
+            plan = fit_for_compile(model, stats, args.budget, inputs, backend=args.compile,
+                                   optimizer=args.optimizer, reserve=args.reserve or 0, solver=args.solver,
+                                   time_limit_s=args.time_limit)
+    else:
+        with _Progress(args.quiet).stage(f"solving for {args.budget}"):
+            plan = autosac.solve(stats, args.budget, solver=args.solver, time_limit_s=args.time_limit,
+                                 reserve=args.reserve or 0)
     print(plan)
     if args.json:
         plan.save(args.json)
@@ -131,11 +142,11 @@ def cmd_sweep(args) -> int:
     for item in budgets:
         parse_budget(item, 1 << 60)
     if args.plot:
-        _check_plot_extra()
+        _check_plot_extra(args.plot)
     if args.verify and args.target != "cpu":
         raise UserError("--verify runs the plans on this machine's CPU: plan with --target cpu")
     progress = _Progress(args.quiet)
-    stats = _profile(args)
+    stats, _, _ = _profile(args)
     with progress.stage(f"solving {len(budgets)} budgets"):
         result = sweep(stats, budgets, solver=args.solver, time_limit_s=args.time_limit, reserve=args.reserve or 0,
                        on_point=progress.count("solving budget"))
@@ -145,21 +156,34 @@ def cmd_sweep(args) -> int:
             measure_sweep(result, model, inputs, optimizer=args.optimizer)
     print(f"{stats.model} on {stats.target['name']}: baseline peak {format_bytes(result.baseline_peak_bytes)}, "
           f"step {stats.step_ms:.2f} ms\n")
+    if args.reserve:
+        print(f"(budgets less the reserve of {args.reserve}: what each plan may use)")
     print(sweep_table(result))
     if args.plot:
         from autosac.plot import pareto_plot
 
         pareto_plot(result, args.plot)
         print(f"\nplot written to {args.plot}")
+    over = [p for p in result.points if p.measured_peak_bytes is not None and p.measured_peak_bytes > p.budget_bytes]
+    if over:
+        print(f"\n{len(over)} plan(s) measured above their budget: " + ", ".join(format_bytes(p.budget_bytes)
+                                                                         for p in over))
+        return 1
     return 0
 
 
-def _check_plot_extra() -> None:
-    """Before any work: --plot without matplotlib is one line naming the extra."""
+def _check_plot_extra(path: str) -> None:
+    """Before any work: --plot without matplotlib is one line naming the extra,
+    and a file name without a format matplotlib writes one line too."""
     try:
-        import matplotlib.figure  # noqa: F401
+        from matplotlib.figure import Figure
     except ImportError:
         raise MissingExtraError("--plot needs matplotlib: pip install 'autosac[plot]'") from None
+    formats = Figure().canvas.get_supported_filetypes()
+    suffix = path.rsplit(".", 1)[-1].lower() if "." in path.rsplit("/", 1)[-1] else ""
+    if suffix not in formats:
+        raise UserError(f"--plot {path}: name a file ending in .png, .svg or .pdf (matplotlib writes "
+                        f"{', '.join(sorted(formats))})")
 
 
 def cmd_verify(args) -> int:
@@ -189,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", required=True, help='"8GiB", "500MB", "60%%" or bytes')
     p.add_argument("--reserve", default=None, help="headroom to keep free, e.g. 2GiB")
     p.add_argument("--json", default=None, help="write the plan to this file")
+    p.add_argument("--compile", default=None, metavar="BACKEND",
+                   help="plan for torch.compile(model, backend=BACKEND): aot_eager (with --target cpu)")
     p.set_defaults(func=cmd_plan)
     s = sub.add_parser("sweep", help="plan for several budgets from one profile")
     _model_options(s)

@@ -18,76 +18,122 @@ Example::
 
 from __future__ import annotations
 
-from autosac.applier import apply, unapply
+from autosac.applier import applied_plan, apply, unapply
+from autosac.budget import format_bytes
 from autosac.errors import InfeasibleBudgetError
 from autosac.plan import Plan
-from autosac.solver import solve_stats
+from autosac.solver import solve_stats, usable_budget
+from autosac.solver.problem import build_problem
 from autosac.stats import ModelStats
 from autosac.trace.compiled import compiled_peak
 
-__all__ = ["fit_for_compile", "check_backend", "COMPILE_BACKENDS", "MAX_ROUNDS"]
+__all__ = ["fit_for_compile", "check_backend", "check_stats", "check_setting", "COMPILE_BACKENDS", "MAX_ROUNDS"]
 
 COMPILE_BACKENDS = ("aot_eager",)  # backends whose compiled step the trace reproduces exactly
 MAX_ROUNDS = 8
 
 
-def fit_for_compile(model, stats: ModelStats, budget_bytes: int, example_inputs, *, backend: str,
-                    loss_fn=None, optimizer="adamw", **solve_kwargs) -> Plan:
-    """The least-recompute plan whose compiled step's peak fits ``budget_bytes``.
+def fit_for_compile(model, stats: ModelStats, budget, example_inputs, *, backend: str,
+                    loss_fn=None, optimizer="adamw", reserve=0, max_choices: int = 16, **solve_kwargs) -> Plan:
+    """The least-recompute plan found whose compiled step's peak fits ``budget_bytes``.
+
+    The eager optimum for the budget is tried first (when its compiled step
+    fits, nothing can do better).  Otherwise the eager budget is lowered by the
+    compiled overshoot until a plan fits -- down to the eager least-peak plan,
+    whose compiled step may still fit: compiled and eager peaks differ both
+    ways, and are not monotone in the eager budget (with dropout, discarding
+    more in eager can keep more compiled), so once the least plan has been
+    tried the widest untried range of eager budgets is probed -- and after a
+    fit, raised again by bisection to recompute less; :data:`MAX_ROUNDS` traced
+    plans in all.
 
     Args:
-        model: the model ``stats`` was profiled from (no plan applied); a plan is
-            applied to it while its compiled step is traced, and removed again.
+        model: the model ``stats`` was profiled from, without a plan applied: each
+            candidate plan is applied while its compiled step is traced, and removed.
         stats: its profile (``target="cpu"``, one process, no autocast).
-        budget_bytes: the budget, reserve already taken off.
+        budget, reserve: as :func:`autosac.solve` takes them.
         example_inputs, loss_fn, optimizer: as given to the profile.
         backend: one of :data:`COMPILE_BACKENDS`.
-        solve_kwargs: passed to the solver (``solver``, ``time_limit_s``, ...).
+        max_choices, solve_kwargs: passed to the solver (``solver``, ``time_limit_s``, ``presolve``).
 
     Returns:
         Plan with ``predicted_peak_bytes`` the compiled step's peak and
         ``compiled`` = {backend, eager_peak_bytes, eager_budget_bytes, rounds}.
 
     Raises:
-        InfeasibleBudgetError: no plan's compiled step fits; ``min_feasible_bytes``
-            estimates what would (the eager least budget plus the compiled overshoot
-            last seen), or the loop did not converge in :data:`MAX_ROUNDS` rounds.
-        ValueError: another backend, target, autocast or world size.
+        InfeasibleBudgetError: no plan tried had a compiled step that fits;
+            ``min_feasible_bytes`` is the least compiled peak seen.
+        ValueError: another backend, target, autocast or world size, or a model
+            that already has a plan applied.
     """
     check_backend(backend)
-    _check_stats(stats)
+    check_stats(stats)
+    if applied_plan(model) is not None:
+        raise ValueError("the model already has a plan applied: call autosac.unapply(model) before fitting another")
+    # under compile, random ops' outputs are always saved (autosac.applier.compiled): never offered as discards
+    problem = build_problem(stats, max_choices, keep_random=True)
+    budget_bytes = usable_budget(budget, reserve, problem.baseline_peak)
+    solve_kwargs.update(max_choices=max_choices, problem=problem)
+    tolerance = max(budget_bytes // 200, 1)  # stop refining when the eager budgets tried are 0.5 % apart
+    fits: list[tuple[Plan, int, int]] = []  # (plan, its compiled peak, the eager budget it was solved for)
+    peaks: list[int] = []
+    tried: set[int] = set()
+    lowest: int | None = None  # the least eager peak any plan reaches, once known
+    fit_at, fail_at = None, None  # the highest eager budget whose plan fit, the lowest whose plan did not
     inner = budget_bytes
-    overshoot = 0
-    for rounds in range(1, MAX_ROUNDS + 1):
+    while len(peaks) < MAX_ROUNDS and inner not in tried:
+        tried.add(inner)
         try:
             plan = solve_stats(stats, inner, **solve_kwargs)
         except InfeasibleBudgetError as e:
-            if rounds == 1:
-                raise  # the eager step does not fit either; the compiled one needs at least as much
-            least = e.min_feasible_bytes + overshoot
-            raise InfeasibleBudgetError(
-                f"under torch.compile(backend={backend!r}) no plan fits {budget_bytes / 2**20:.1f} MiB: the compiled "
-                f"step holds about {overshoot / 2**20:.1f} MiB more than the eager plan's, so the least budget that "
-                f"works is about {least / 2**20:.1f} MiB",
-                least,
-            ) from None
+            if lowest is not None:
+                break
+            lowest = inner = e.min_feasible_bytes  # try the least-peak plan itself
+            continue
         peak = _compiled_peak_of(model, plan, example_inputs, loss_fn, optimizer, backend)
+        peak += stats.checkpoint_state_bytes * len(plan.decisions)  # RNG state a graph-broken region keeps
+        peaks.append(peak)
         if peak <= budget_bytes:
-            plan.compiled = {"backend": backend, "eager_peak_bytes": plan.predicted_peak_bytes,
-                             "eager_budget_bytes": inner, "rounds": rounds}
-            plan.predicted_peak_bytes = peak
-            plan.budget_bytes = budget_bytes
-            return plan
-        overshoot = peak - plan.predicted_peak_bytes
-        inner = plan.predicted_peak_bytes - (peak - budget_bytes)  # the eager peak, lowered by the overshoot
-        if inner <= 0:
-            break
-    raise InfeasibleBudgetError(
-        f"under torch.compile(backend={backend!r}) no plan was found to fit {budget_bytes / 2**20:.1f} MiB in "
-        f"{MAX_ROUNDS} rounds (the last one's compiled step peaked at {peak / 2**20:.1f} MiB): "
-        f"try a larger budget",
-        peak,
-    )
+            fits.append((plan, peak, inner))
+            fit_at = max(fit_at or 0, inner)
+            if inner == budget_bytes:
+                break  # the eager optimum fits: no plan recomputes less
+        else:
+            fail_at = inner if fail_at is None else min(fail_at, inner)
+        if fit_at is not None:  # bisect between a fit and a failure
+            if fail_at is None or fail_at - fit_at <= tolerance:
+                break
+            inner = (fit_at + fail_at) // 2
+        else:  # lower the eager budget by the overshoot, not below the least eager peak
+            inner = plan.predicted_peak_bytes - (peak - budget_bytes)
+            if lowest is not None:
+                inner = max(inner, lowest)
+            if inner in tried and lowest is not None:
+                # compiled peaks are not monotone in the eager budget: probe the widest untried gap
+                inner = _widest_gap_middle(sorted(tried | {budget_bytes}), tolerance)
+                if inner is None:
+                    break
+    if not fits:
+        least = min(peaks) if peaks else budget_bytes
+        raise InfeasibleBudgetError(
+            f"under torch.compile(backend={backend!r}) no plan found fits {format_bytes(budget_bytes)}: the least "
+            f"compiled peak among the {len(peaks)} plans traced was {format_bytes(least)} -- raise the budget to at "
+            "least that",
+            least,
+        )
+    plan, peak, inner = min(fits, key=lambda f: (f[0].recompute_ms, f[1]))
+    plan.compiled = {"backend": backend, "eager_peak_bytes": plan.predicted_peak_bytes,
+                     "eager_budget_bytes": inner, "rounds": len(peaks)}
+    plan.predicted_peak_bytes = peak
+    plan.budget_bytes = budget_bytes
+    return plan
+
+
+def _widest_gap_middle(points: list[int], tolerance: int) -> int | None:
+    """The middle of the widest gap between sorted ``points``, if wider than ``tolerance``."""
+    gaps = [(b - a, (a + b) // 2) for a, b in zip(points, points[1:])]
+    width, middle = max(gaps, default=(0, None))
+    return middle if width > tolerance else None
 
 
 def _compiled_peak_of(model, plan: Plan, example_inputs, loss_fn, optimizer, backend: str) -> int:
@@ -112,8 +158,14 @@ def check_backend(backend) -> None:
         raise ValueError(f"compile= must be one of {', '.join(repr(b) for b in COMPILE_BACKENDS)}, not {backend!r}")
 
 
-def _check_stats(stats: ModelStats) -> None:
-    if stats.target.get("device_type") != "cpu" or stats.world_size != 1 or stats.autocast:
+def check_stats(stats: ModelStats) -> None:
+    """Raises ValueError unless the profile is one compiled plans can be traced for."""
+    check_setting(stats.target.get("device_type"), stats.world_size, bool(stats.autocast))
+
+
+def check_setting(device_type: str | None, world_size: int, autocast: bool) -> None:
+    """Raises ValueError unless ``target``'s device type, ``world_size`` and ``autocast`` allow plans for compile."""
+    if device_type != "cpu" or world_size != 1 or autocast:
         raise ValueError(
             "compile= plans are traced for target='cpu', world_size=1 and no autocast: a GPU target's kernels and "
             "FSDP2's collectives are not reproduced in a compiled fake-mode trace"

@@ -11,7 +11,7 @@ def plan_table(plan) -> str:
         width = max(len("module"), *(len(f or "(root)") for f in plan.details))
         lines.append(f"{'module':<{width}}  {'discard':>7}  {'freed':>11}  {'recompute':>11}  ops")
         for fqn, d in plan.details.items():  # as the solver ordered them: the model's order
-            ops = ", ".join(o.label for o in d.ops[:4]) + (f" and {len(d.ops) - 4} more" if len(d.ops) > 4 else "")
+            ops = _op_list([o.label for o in d.ops])
             lines.append(
                 f"{fqn or '(root)':<{width}}  {d.ratio:>7.1%}  {format_bytes(d.discard_bytes):>11}"
                 f"  {d.recompute_ms:>8.2f} ms  {ops}"
@@ -39,6 +39,15 @@ def plan_table(plan) -> str:
     return "\n".join(lines)
 
 
+def _op_list(labels: list[str], shown: int = 4) -> str:
+    """``a, b ×2, c and 3 more``: repeats of one label counted, the first few shown."""
+    counts: dict[str, int] = {}
+    for label in labels:
+        counts[label] = counts.get(label, 0) + 1
+    items = [f"{k} ×{n}" if n > 1 else k for k, n in counts.items()]
+    return ", ".join(items[:shown]) + (f" and {len(items) - shown} more" if len(items) > shown else "")
+
+
 def _gap(gap) -> str:
     return "-" if gap is None else f"{gap:.1e}"
 
@@ -50,21 +59,23 @@ def sweep_table(result) -> str:
     measured = result.measured_baseline_peak_bytes is not None
     head = f"{'budget':>11}  {'planned peak':>12}  {'recompute':>11}  {'overhead':>8}  {'modules':>7}"
     if measured:
-        head += f"  {'measured peak':>13}  {'measured ovh':>12}"
+        head += f"  {'measured peak':>13}  {'measured ovh':>12}  {'kept':>4}"
     out = [head + "  status"]
     for p in result.points:
         if p.plan is None:
             least = format_bytes(int(p.error.split()[-1])) if p.error.startswith("least peak") else "?"
             out.append(f"{format_bytes(p.budget_bytes):>11}  {'-':>12}  {'-':>11}  {'-':>8}  {'-':>7}"
-                       + (f"  {'-':>13}  {'-':>12}" if measured else "") + f"  infeasible (least peak {least})")
+                       + (f"  {'-':>13}  {'-':>12}  {'-':>4}" if measured else "") + f"  infeasible (least peak {least})")
             continue
-        out.append(_row(format_bytes(p.budget_bytes), p, measured) + f"  {p.status}")
+        kept = "" if not measured else f"  {('yes' if p.measured_peak_bytes <= p.budget_bytes else 'NO'):>4}"
+        out.append(_row(format_bytes(p.budget_bytes), p, measured) + kept + f"  {p.status}")
     out.append("")
     if result.full_ac is not None:
-        out.append(_row("every block", result.full_ac, measured) + f"  {result.full_ac.status}")
+        out.append(_row("every block", result.full_ac, measured) + (f"  {'-':>4}" if measured else "")
+                   + f"  {result.full_ac.status}")
     none_row = f"{'none':>11}  {format_bytes(result.baseline_peak_bytes):>12}  {0.0:>8.2f} ms  {0.0:>8.1%}  {0:>7}"
     if measured:
-        none_row += f"  {format_bytes(result.measured_baseline_peak_bytes):>13}  {0.0:>12.1%}"
+        none_row += f"  {format_bytes(result.measured_baseline_peak_bytes):>13}  {0.0:>12.1%}  {'-':>4}"
     out.append(none_row + "  no checkpointing")
     if result.least_peak_bytes is not None:
         out.append(f"least feasible budget {format_bytes(result.least_peak_bytes)}")

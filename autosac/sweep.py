@@ -67,10 +67,10 @@ class Sweep:
 
 
 def repeated_blocks(stats: ModelStats) -> list[str]:
-    """The model's blocks: the largest group of same-typed siblings that hold
-    activations to discard (a transformer's layers; the group with more such
-    bytes on a tie), in model order; ``[]`` when no module has two such
-    children of one type.
+    """The model's blocks: the group of two or more same-typed siblings that
+    together hold the most activations to discard (a transformer's layers,
+    not the experts or norms inside one layer), in model order; ``[]`` when no
+    module has two such children of one type.
 
     Example::
 
@@ -78,7 +78,7 @@ def repeated_blocks(stats: ModelStats) -> list[str]:
         ['blocks.0', 'blocks.1', ...]
     """
     def weight(group: list[str]) -> tuple[int, int]:
-        return len(group), sum(stats.modules[c].discardable_bytes for c in group)
+        return sum(stats.modules[c].discardable_bytes for c in group), len(group)
 
     best: list[str] = []
     for mod in stats.modules.values():

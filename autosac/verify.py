@@ -14,7 +14,8 @@ from autosac.errors import PlanMismatchError
 def verify_plan_file(args) -> int:
     """Build the model with real weights (on the GPU for a CUDA plan, else the
     CPU), measure it unmodified and with the plan applied (under the plan's
-    autocast, if any), and print predicted vs measured.  Exit status 1 when
+    autocast, if any; compiled with the plan's backend if it was made for
+    ``torch.compile``), and print predicted vs measured.  Exit status 1 when
     the measured peak exceeds the plan's budget."""
     import autosac
     from autosac.fingerprint import model_fingerprint
@@ -39,7 +40,12 @@ def verify_plan_file(args) -> int:
     amp = getattr(torch, plan.autocast) if plan.autocast else None
     baseline = autosac.measure(copy.deepcopy(model), inputs, steps=args.steps, optimizer=plan.optimizer, autocast=amp)
     autosac.apply(model, plan)
-    planned = autosac.measure(model, inputs, steps=args.steps, optimizer=plan.optimizer, autocast=amp)
+    run = model
+    if plan.compiled:  # planned for torch.compile: measured compiled, as the prediction is
+        torch._dynamo.reset()
+        run = torch.compile(model, backend=plan.compiled["backend"])
+        print(f"(the plan was made for torch.compile(backend={plan.compiled['backend']!r}): measured compiled)")
+    planned = autosac.measure(run, inputs, steps=args.steps, optimizer=plan.optimizer, autocast=amp)
     rows = [
         ("peak, no checkpointing", plan.baseline_peak_bytes, baseline.peak_bytes),
         ("peak, with the plan", plan.predicted_peak_bytes, planned.peak_bytes),

@@ -203,6 +203,12 @@ def test_progress_shows_on_a_terminal_only_and_never_with_quiet():
          "LlamaConfig has no hidden_sise"),
         (["plan", "--budget", "50%", "--model", "hf:gpt2", "--model-arg", "n_layer=1", "--seq", "4096"],
          "longer than hf:gpt2's 1024 positions: raise --model-arg n_positions=4096"),
+        (["plan", "--budget", "50%", "--model", "hf:gpt2", "--model-arg", "n_layer=1", "--model-arg", "vocab_size=0"],
+         "needs a positive vocab_size"),
+        (["sweep", "--model", "gpt-tiny", "--plot", "/tmp/pareto"], "name a file ending in .png, .svg or .pdf"),
+        (["plan", "--budget", "50%", "--model", "gpt-tiny", "--compile", "aot_eager"], "target='cpu'"),
+        (["plan", "--budget", "50%", "--model", "gpt-tiny", "--compile", "inductor", "--target", "cpu"],
+         "compile='inductor' is not supported"),
     ],
 )
 def test_cli_user_mistakes_are_one_line(argv, match):
@@ -363,3 +369,64 @@ def test_sweep_budgets_mean_what_solve_budgets_mean_sharded_and_with_a_reserve()
         assert point.budget_bytes == plan.budget_bytes
         assert point.plan is not None and point.plan.decisions == plan.decisions
     assert result.baseline_peak_bytes == plan.baseline_peak_bytes != stats.peak_bytes
+
+
+def test_hf_config_dtype_is_the_weights_dtype():
+    pytest.importorskip("transformers")
+    from autosac.modelspec import build_from_spec
+
+    args = HF_SMALL["llama"]
+    model, _ = build_from_spec("hf:llama", [*args, "dtype=bfloat16"], batch=2, seq=64)
+    assert {p.dtype for p in model.parameters()} == {__import__("torch").bfloat16}
+    plain, _ = build_from_spec("hf:llama", args, batch=2, seq=64)
+    assert {p.dtype for p in plain.parameters()} == {__import__("torch").float32}
+
+
+def test_the_blocks_of_a_mixture_of_experts_are_its_layers_not_one_layers_experts():
+    import torch
+    from torch import nn
+
+    from autosac.sweep import repeated_blocks
+
+    class Expert(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+        def forward(self, x):
+            return self.down(torch.relu(self.up(x)))
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.ModuleList(Expert() for _ in range(4))
+
+        def forward(self, x):
+            return x + sum(e(x) for e in self.experts)
+
+    class MoE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(Layer() for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    stats = autosac.profile(MoE(), torch.randn(64, 32), target="cpu")
+    assert repeated_blocks(stats) == ["layers.0", "layers.1"]
+
+
+def test_a_plan_made_for_compile_is_verified_compiled(tmp_path, capsys):
+    small = ["--model", "gpt2", "--model-arg", "n_layer=2", "--model-arg", "dim=64", "--model-arg", "n_head=4",
+             "--model-arg", "vocab=128", "--model-arg", "dropout=0.0", "--batch", "2", "--seq", "128",
+             "--target", "cpu", "--optimizer", "sgd"]
+    path = str(tmp_path / "p.json")
+    assert main(["plan", *small, "--budget", "80%", "--compile", "aot_eager", "--json", path]) == 0
+    plan = Plan.load(path)
+    assert plan.compiled["backend"] == "aot_eager"
+    capsys.readouterr()
+    assert main(["verify", path, *small, "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "measured compiled" in out and "kept" in out

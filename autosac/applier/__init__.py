@@ -30,6 +30,8 @@ from autosac.plan import Plan
 
 __all__ = ["apply", "unapply"]
 
+_CAST_CTX = "_autosac_cast_ctx"  # the model's open parameter-cast hook contexts, one per running forward
+
 
 
 def apply(model: nn.Module, plan: Plan) -> nn.Module:
@@ -93,6 +95,7 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     model.register_forward_pre_hook(_enter_model, with_kwargs=True)
     model.register_forward_hook(_exit_model, always_call=True)
     setattr(model, APPLIED, {"plan": plan, "warned_shapes": set()})
+    model.__dict__[_CAST_CTX] = []  # made here, not at the first forward: a trace sees no new state
     return model
 
 
@@ -117,6 +120,7 @@ def unapply(model: nn.Module) -> nn.Module:
     state = model.__dict__.pop(APPLIED, None)
     if state is None:
         return model
+    model.__dict__.pop(_CAST_CTX, None)
     # found by identity rather than through handles, which a deepcopy would share
     for table in (model._forward_pre_hooks, model._forward_hooks):
         for key in [k for k, fn in table.items() if fn in (_enter_model, _exit_model)]:
@@ -178,13 +182,13 @@ def _enter_model(module, args, kwargs):
         )
     ctx = torch.autograd.graph.saved_tensors_hooks(pack_cast, unpack_cast)
     ctx.__enter__()
-    module.__dict__.setdefault("_autosac_cast_ctx", []).append(ctx)
+    module.__dict__.setdefault(_CAST_CTX, []).append(ctx)
     return None if changed is None else (args, changed)
 
 
 @torch.compiler.disable
 def _exit_model(module, args, output):
-    stack = module.__dict__.get("_autosac_cast_ctx")
+    stack = module.__dict__.get(_CAST_CTX)
     if stack:
         stack.pop().__exit__(None, None, None)
 

@@ -62,6 +62,11 @@ def build_hf(name: str, kwargs: dict, batch: int | None, seq: int | None, device
             model = model_cls(config)
     except Exception as e:  # noqa: BLE001 - transformers' own checks on the config values
         raise UserError(f"hf:{name} with {kwargs} failed: {type(e).__name__}: {str(e).strip().splitlines()[0]}") from None
+    if not isinstance(config.vocab_size, int) or config.vocab_size < 1:
+        raise UserError(f"hf:{name} needs a positive vocab_size to draw token ids from, got {config.vocab_size!r}")
+    dtype = _config_dtype(config)
+    if dtype is not None:  # a model built from a config keeps float32 weights unless cast
+        model = model.to(dtype)
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if seq is None:
         seq = min(DEFAULT_SEQ, positions) if positions else DEFAULT_SEQ
@@ -70,3 +75,14 @@ def build_hf(name: str, kwargs: dict, batch: int | None, seq: int | None, device
                         f"--model-arg {'n_positions' if name == 'gpt2' else 'max_position_embeddings'}={seq}")
     ids = torch.randint(0, config.vocab_size, (batch or DEFAULT_BATCH, seq), device=device)
     return model.train(), ids
+
+
+def _config_dtype(config) -> torch.dtype | None:
+    """The weights' dtype a config asks for (``dtype``, formerly ``torch_dtype``), if any."""
+    for key in ("dtype", "torch_dtype"):
+        value = config.__dict__.get(key)
+        if isinstance(value, str) and value not in ("auto", ""):
+            value = getattr(torch, value, None)
+        if isinstance(value, torch.dtype):
+            return value
+    return None

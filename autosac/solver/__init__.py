@@ -17,7 +17,7 @@ from autosac.solver.replay import ModuleReplay, saved_inside
 from autosac.solver.sharding import describe_units
 from autosac.stats import ModelStats
 
-__all__ = ["solve_budget", "solve_stats", "usable_budget", "least_peak", "plan_from_decisions"]
+__all__ = ["solve_budget", "solve_stats", "usable_budget", "check_solve_options", "least_peak", "plan_from_decisions"]
 
 
 def solve_budget(
@@ -39,16 +39,21 @@ def solve_budget(
 
         >>> plan = solve_budget(autosac.profile(model, idx), "60%")
     """
-    if solver not in BACKENDS:
-        raise ValueError(f"unknown solver {solver!r}: use one of {', '.join(BACKENDS)}")
+    check_solve_options(solver, time_limit_s)
     if not isinstance(stats, ModelStats):
         raise TypeError(f"solve_budget needs a ModelStats, got {type(stats).__name__}")
-    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0:
-        raise ValueError(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
     problem = build_problem(stats, max_choices)
     budget_bytes = usable_budget(budget, reserve, problem.baseline_peak)
     return solve_stats(stats, budget_bytes, solver=solver, time_limit_s=time_limit_s, max_choices=max_choices,
                        presolve=presolve, problem=problem)
+
+
+def check_solve_options(solver: str, time_limit_s) -> None:
+    """Raises ValueError for an unknown solver or a time limit that is not a positive number."""
+    if solver not in BACKENDS:
+        raise ValueError(f"unknown solver {solver!r}: use one of {', '.join(BACKENDS)}")
+    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0:
+        raise ValueError(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
 
 
 def usable_budget(budget: str | int | float, reserve: str | int | float, baseline_peak: int) -> int:

@@ -199,14 +199,17 @@ def bits(mask: int):
         i += 1
 
 
-def _discard_items(stats: ModelStats, op_ids: list[int], window) -> tuple[list[list[int]], list[int]]:
+def _discard_items(stats: ModelStats, op_ids: list[int], window,
+                   keep_random: bool = False) -> tuple[list[list[int]], list[int]]:
     """A module's saved ops as discard items, cheapest ms per byte first (the
     starting order; :func:`order_items` settles the final one), and the saved
     ops every choice must discard.
 
     Random ops form one item: a recompute replays the RNG from the start of the
     module, so it can only reproduce a random op if every random op before it is
-    re-run too -- a module recomputes all its random ops or none.
+    re-run too -- a module recomputes all its random ops or none.  With
+    ``keep_random`` (plans for ``torch.compile``, whose regions always save
+    random ops' outputs) that item is never offered.
 
     A kept output that the forward later writes in place is cached as the
     written tensor, so a call the replay re-runs that read it *before* the write
@@ -248,6 +251,8 @@ def _discard_items(stats: ModelStats, op_ids: list[int], window) -> tuple[list[l
     items = list(members.values())
     forced = sorted({j for it in items if any(root(i) == root(m) for i in it for m in mandatory) for j in it})
     items = [it for it in items if not set(it) & set(forced)]
+    if keep_random:
+        items = [it for it in items if not any(stats.saved_ops[i].random for i in it)]
 
     def key(it):
         return (sum(stats.saved_ops[i].ms for i in it) / sum(stats.saved_ops[i].bytes for i in it), it[0])
@@ -372,8 +377,11 @@ def _share_retained(candidates: list[Candidate]) -> list[SharedHold]:
     return shared
 
 
-def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
+def build_problem(stats: ModelStats, max_choices: int = 16, keep_random: bool = False) -> Problem:
     """Read the checkpointing problem off ``stats``.
+
+    ``keep_random``: never discard the outputs of ops that draw random numbers,
+    as a plan under ``torch.compile`` keeps them (:mod:`autosac.applier.compiled`).
 
     Candidates are modules whose subtree saves discardable activations; each
     offers at most ``max_choices`` discard choices.  A module called several
@@ -394,7 +402,9 @@ def build_problem(stats: ModelStats, max_choices: int = 16) -> Problem:
             continue
         first = calls[0][0]
         op_ids = [i for i in m.saved_op_ids if first[0] <= stats.saved_ops[i].event < first[1]]
-        items, forced = _discard_items(stats, op_ids, first)
+        items, forced = _discard_items(stats, op_ids, first, keep_random)
+        if not items:  # its only discards were random ops, kept
+            continue
         items, costs = order_items(ModuleReplay.of(stats, fqn), items, first=forced, cache=orders)
         cum_t = np.asarray(costs)
         cum_first = np.cumsum([sum(stats.saved_ops[i].bytes for i in it) for it in items])

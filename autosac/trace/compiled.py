@@ -74,7 +74,8 @@ def compiled_peak(
 
     Args:
         model: the model to compile (not already compiled).
-        example_inputs: a tensor, a tuple of positional inputs, or ``(args, kwargs)``.
+        example_inputs: one batch, as :func:`autosac.profile` takes it: a tensor, a
+            tuple of positional arguments, or a dict of keyword arguments.
         loss_fn, optimizer: as :func:`autosac.profile`.
         backend: ``"aot_eager"``, ``"inductor"`` or ``"aot_eager_decomp_partition"``.
 

@@ -108,13 +108,15 @@ def trace_step(
         )
     loss_fn = loss_fn or default_loss
     real_args, real_kwargs = split_inputs(example_inputs)
+    # made before the capture: torch.compile marks the model, which is not state its forward builds
+    runner = torch.compile(model, backend=compile_backend) if compile_backend is not None else None
     before = capture(model, real_args, real_kwargs)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         with _gc_paused(), _fake_tensor_log_quiet(), fake_parameters(model, mode, param_dtype), mode:
             # FSDP2's mixed precision casts floating inputs to param_dtype too
             args, kwargs = tree_map(lambda x: _trace_input(x, param_dtype), (real_args, real_kwargs))
-            once = (model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast, compile_backend)
+            once = (model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast, runner)
             step = _trace_once(*once)
             if before.grew():
                 step = _trace_once(*once)
@@ -187,10 +189,11 @@ def _trace_input(x, dtype: torch.dtype | None = None):
 
 
 def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast=None,
-                compile_backend=None) -> TracedStep:
-    """One recorded step on a model whose parameters are already fake."""
+                compiled=None) -> TracedStep:
+    """One recorded step on a model whose parameters are already fake (run
+    through ``compiled``, its ``torch.compile`` wrapper, when given)."""
     names = {id(m): fqn for fqn, m in model.named_modules()}
-    recorder = (StepRecorder if compile_backend is None else CompiledStepRecorder)(cost_model)
+    recorder = (StepRecorder if compiled is None else CompiledStepRecorder)(cost_model)
     recorder.fake_mode = mode
     recorder.device_type = cost_model.spec.device_type
     opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
@@ -199,14 +202,12 @@ def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autoc
     buffer_bytes = _track_new(recorder, {id(b): b for b in model.buffers()}.values(), "buffer")
     input_bytes = _track_new(recorder, tree_leaves((args, kwargs)), "input")
     hooks = []
-    runner = model
-    if compile_backend is None:
+    runner = model if compiled is None else compiled
+    if compiled is None:  # compiled code runs no module hooks
         for mod in model.modules():
             fqn = names[id(mod)]
             hooks.append(mod.register_forward_pre_hook(_pre_hook(recorder, fqn), with_kwargs=True))
             hooks.append(mod.register_forward_hook(_post_hook(recorder, fqn)))
-    else:
-        runner = torch.compile(model, backend=compile_backend)
     try:
         with _as_on_target(cost_model.spec, autocast):  # the user's forward and loss run under autocast
             loss = _forward_and_loss(runner, args, kwargs, loss_fn, recorder)
@@ -349,6 +350,11 @@ def _run_forward(model: nn.Module, args: tuple, kwargs: dict, recorder: StepReco
     except TraceError:
         raise
     except Exception as e:
+        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):  # the compiled step (trace/compiled.py)
+            cause = getattr(e, "inner_exception", None) or e  # a backend's own error, not Dynamo's wrapper
+            first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+            raise TraceError(f"torch.compile of {type(model._orig_mod).__name__} failed while tracing the step: "
+                             f"{type(cause).__name__}: {first}") from None
         where = recorder.stack[-1] if recorder.stack else None
         if where is None or (where == "" and isinstance(e, TypeError) and len(recorder.rec.ops) == 0):
             raise TraceError(
