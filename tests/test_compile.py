@@ -3,10 +3,10 @@ break), their decisions become the partitioner's recompute tags, gradients
 equal eager's and the measured peak keeps the budget."""
 
 import copy
-import dataclasses
 
 import pytest
 import torch
+from suite import A100_CPU_KERNELS  # an A100's op times, the CPU's kernels: plans free of timing noise
 
 import autosac
 from autosac.applier.compiled import save_keys
@@ -126,8 +126,6 @@ def test_under_inductor_the_plan_keeps_its_budget_and_gradients_to_rounding():
 # -- plans fitted to the compiled step (autosac.compile_fit) ---------------------------------------
 
 FIT_CFG = dict(n_layer=2, dim=128, n_head=4, seq=256, vocab=4096, dropout=0.1)
-# an A100's roofline for op times, the CPU's kernels: plans do not depend on this machine's timing noise
-FIXED_CPU = dataclasses.replace(autosac.devices.DEVICES["a100"], device_type="cpu")
 
 
 def _compiled_measure(model, idx, plan):
@@ -143,12 +141,12 @@ def test_a_plan_fitted_for_compile_keeps_the_budget_an_eager_plan_breaks_when_co
     profiler's allocator events measure."""
     torch.manual_seed(0)
     model, idx = build_model("gpt2", device="cpu", batch=4, **FIT_CFG)
-    stats = autosac.profile(model, idx, optimizer="sgd", target=FIXED_CPU)
+    stats = autosac.profile(model, idx, optimizer="sgd", target=A100_CPU_KERNELS)
     eager_plan = autosac.solve(stats, "60%")
     over = _compiled_measure(model, idx, eager_plan)
     assert over > eager_plan.budget_bytes, (over, eager_plan.budget_bytes)
 
-    plan = autosac.solve(model, "60%", idx, optimizer="sgd", target=FIXED_CPU, compile="aot_eager")
+    plan = autosac.solve(model, "60%", idx, optimizer="sgd", target=A100_CPU_KERNELS, compile="aot_eager")
     assert plan.compiled["backend"] == "aot_eager" and plan.compiled["rounds"] >= 1
     assert plan.budget_bytes == eager_plan.budget_bytes
     assert autosac.applier.applied_plan(model) is None  # the model is left as it was

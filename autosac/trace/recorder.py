@@ -79,6 +79,39 @@ class Recording:
 SMALL_NUMEL = 1 << 16  # tensors this small (and on the cpu) may be computed for real
 
 
+# Ops whose kernels (CPU and CUDA) lay their first output out in the input's
+# suggested memory format -- contiguous, or channels-last -- where the meta
+# kernel keeps the input's strides.  Found by comparing real and fake output
+# strides of the common ops on non-contiguous inputs; only batch norm differed.
+# The strides matter for memory: a transposed batch-norm output fed to a matmul
+# is copied to contiguous in the real step, not in the trace.
+# Op name -> the argument whose format it is (batch norm's backward: the forward input).
+SUGGESTED_FORMAT_OPS = {"native_batch_norm": 0, "_native_batch_norm_legit": 0,
+                        "_native_batch_norm_legit_no_training": 0, "native_batch_norm_backward": 1}
+
+
+def with_kernel_layout(func, args, out):
+    """``out`` with its first tensor laid out as the real kernel lays it out
+    (:data:`SUGGESTED_FORMAT_OPS`); other ops' outputs unchanged."""
+    which = SUGGESTED_FORMAT_OPS.get(func.overloadpacket.__name__)
+    if which is None or not isinstance(out, tuple) or not out or len(args) <= which:
+        return out
+    x, first = args[which], out[0]
+    fmt = _suggested_format(x)
+    if not isinstance(first, FakeTensor) or not isinstance(x, torch.Tensor) or first.is_contiguous(memory_format=fmt):
+        return out
+    return (torch.empty_like(first, memory_format=fmt), *out[1:])
+
+
+def _suggested_format(x: torch.Tensor) -> torch.memory_format:
+    """ATen's ``suggest_memory_format``: channels-last for a 4-d (5-d) tensor laid
+    out so, and not also contiguous; else contiguous."""
+    for dim, fmt in ((4, torch.channels_last), (5, torch.channels_last_3d)):
+        if x.dim() == dim and x.is_contiguous(memory_format=fmt) and not x.is_contiguous():
+            return fmt
+    return torch.contiguous_format
+
+
 def run_op(func, args, kwargs, made_in_trace=lambda t: False, fake_mode=None):
     """Run one op of the trace: under fake mode, unless it only reads small real
     tensors (or none) and makes small ones.
@@ -488,7 +521,7 @@ class StepRecorder(TorchDispatchMode):
             return func(*args, **kwargs)
         if self._pending:
             self._flush_pending()
-        out = run_op(func, args, kwargs, self._made_in_trace, self.fake_mode)
+        out = with_kernel_layout(func, args, run_op(func, args, kwargs, self._made_in_trace, self.fake_mode))
 
         rec = self.rec
         idx = len(rec.ops)
