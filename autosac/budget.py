@@ -18,7 +18,8 @@ def parse_budget(budget: str | int | float, baseline_peak_bytes: int, what: str 
     """Return the budget in bytes.
 
     Args:
-        budget: ``"8GiB"``/``"8 gib"``/``"500MB"`` (binary and decimal units),
+        budget: ``"8GiB"``/``"8 gib"``/``"500MB"`` (binary and decimal units; a
+            bare whole number, ``"4096"``, is bytes),
             ``"60%"`` of ``baseline_peak_bytes``, an ``int`` of bytes, or a
             ``float`` of GiB (as PyTorch's ``sac_milp`` takes it).
         baseline_peak_bytes: the unconstrained peak, for percentages.
@@ -47,6 +48,9 @@ def parse_budget(budget: str | int | float, baseline_peak_bytes: int, what: str 
         if not m or m.group(2).lower() not in (*_UNITS, "%"):
             raise ValueError(f"cannot parse {what} {budget!r}: use {ACCEPTED}")
         number, unit = float(m.group(1)), m.group(2).lower()
+        if unit == "" and not number.is_integer():  # a string without a unit is bytes: whole ones
+            raise ValueError(f"{what} {budget!r} has no unit (a bare number is bytes): write '{m.group(1)}GiB', "
+                             f"'{m.group(1)}MB' or '{m.group(1)}%'")
         if unit == "%":
             if number > 100:
                 raise ValueError(f"{what} {budget!r} is over 100% of the unconstrained peak: nothing to plan")

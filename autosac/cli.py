@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="print the activation-checkpointing plan for a budget")
     _model_options(p)
-    p.add_argument("--budget", required=True, help='"8GiB", "500MB", "60%%" or bytes')
+    p.add_argument("--budget", required=True, help='"8GiB", "500MB", "60%%" of the unconstrained peak, or a whole number of bytes')
     p.add_argument("--reserve", default=None, help="headroom to keep free, e.g. 2GiB")
     p.add_argument("--json", default=None, help="write the plan to this file")
     p.add_argument("--compile", default=None, metavar="BACKEND",

@@ -56,7 +56,9 @@ def verify_plan_file(args) -> int:
     comparable = plan.target == "cpu" or device == "cuda"
     print(f"{'step, no checkpointing':<24}{plan.baseline_step_ms:>11.1f} ms{baseline.step_ms:>11.1f} ms")
     print(f"{'step, with the plan':<24}{plan.step_ms:>11.1f} ms{planned.step_ms:>11.1f} ms")
-    print(f"measured overhead {planned.step_ms / baseline.step_ms - 1:+.1%} (predicted {plan.overhead:+.1%})")
+    print(f"measured overhead {planned.step_ms / baseline.step_ms - 1:+.1%} (predicted {plan.overhead:+.1%}); "
+          f"medians of the timed steps: {_steps(baseline)} ms without, {_steps(planned)} ms with the plan "
+          "(a busy machine spreads them: compare with care)")
     if not comparable:
         print(f"(times predicted for {plan.target}, measured on this CPU: compare the overheads, not the ms)")
     elif device == "cuda":
@@ -64,6 +66,10 @@ def verify_plan_file(args) -> int:
     ok = planned.peak_bytes <= plan.budget_bytes
     print(f"budget {format_bytes(plan.budget_bytes)}: {'kept' if ok else 'EXCEEDED'}")
     return 0 if ok else 1
+
+
+def _steps(m) -> str:
+    return ", ".join(f"{t:.0f}" for t in m.step_ms_all)
 
 
 def _device_for(plan, path: str) -> str:

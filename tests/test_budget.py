@@ -46,5 +46,10 @@ def test_malformed_forms_name_the_accepted_ones(bad):
     assert "\n" not in msg
 
 
+def test_a_fractional_number_without_a_unit_asks_for_one():
+    with pytest.raises(ValueError, match=r"budget '0.5' has no unit \(a bare number is bytes\): write '0.5GiB'"):
+        parse_budget("0.5", PEAK)
+
+
 def test_float_gib_matches_sac_milp_convention():
     assert parse_budget(1.75, PEAK) == math.floor(1.75 * 2**30)

@@ -61,7 +61,8 @@ def build_hf(name: str, kwargs: dict, batch: int | None, seq: int | None, device
         with torch.device(device):
             model = model_cls(config)
     except Exception as e:  # noqa: BLE001 - transformers' own checks on the config values
-        raise UserError(f"hf:{name} with {kwargs} failed: {type(e).__name__}: {str(e).strip().splitlines()[0]}") from None
+        reason = "; ".join(line.strip() for line in str(e).strip().splitlines() if line.strip())
+        raise UserError(f"hf:{name} with {kwargs} failed: {type(e).__name__}: {reason[:400]}") from None
     if not isinstance(config.vocab_size, int) or config.vocab_size < 1:
         raise UserError(f"hf:{name} needs a positive vocab_size to draw token ids from, got {config.vocab_size!r}")
     dtype = _config_dtype(config)
