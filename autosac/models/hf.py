@@ -56,6 +56,9 @@ def build_hf(name: str, kwargs: dict, batch: int | None, seq: int | None, device
     unknown = sorted(k for k in kwargs if not hasattr(defaults, k))
     if unknown:
         raise UserError(f"{config_name} has no {', '.join(unknown)} (--model-arg): see its documentation for the keys")
+    vocab = kwargs.get("vocab_size", getattr(defaults, "vocab_size", None))
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        raise UserError(f"hf:{name} needs a positive vocab_size to draw token ids from, got {vocab!r}")
     try:
         config = config_cls(**kwargs)
         with torch.device(device):
@@ -63,8 +66,6 @@ def build_hf(name: str, kwargs: dict, batch: int | None, seq: int | None, device
     except Exception as e:  # noqa: BLE001 - transformers' own checks on the config values
         reason = "; ".join(line.strip() for line in str(e).strip().splitlines() if line.strip())
         raise UserError(f"hf:{name} with {kwargs} failed: {type(e).__name__}: {reason[:400]}") from None
-    if not isinstance(config.vocab_size, int) or config.vocab_size < 1:
-        raise UserError(f"hf:{name} needs a positive vocab_size to draw token ids from, got {config.vocab_size!r}")
     dtype = _config_dtype(config)
     if dtype is not None:  # a model built from a config keeps float32 weights unless cast
         model = model.to(dtype)
