@@ -445,3 +445,11 @@ def test_a_plan_made_for_compile_is_verified_compiled(tmp_path, capsys):
     assert main(["verify", path, *small, "--steps", "1"]) == 0
     out = capsys.readouterr().out
     assert "measured compiled" in out and "kept" in out
+
+
+def test_hf_without_transformers_is_one_line_naming_the_extra():
+    code = ("import sys; sys.modules['transformers'] = None; from autosac.cli import main; "
+            "sys.exit(main(['plan', '--model', 'hf:llama', '--budget', '50%']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "autosac: error: hf: models need transformers: pip install 'autosac[hf]'"
