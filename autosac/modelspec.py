@@ -6,6 +6,9 @@
 from __future__ import annotations
 
 import importlib
+import os
+import sys
+from contextlib import contextmanager
 
 import torch
 
@@ -60,7 +63,8 @@ def build_from_spec(spec: str, model_args: list[str], batch: int | None, seq: in
 def _from_factory(spec: str, kwargs: dict, batch: int | None, seq: int | None, device: str):
     mod_name, fn_name = spec.split(":", 1)
     try:
-        module = importlib.import_module(mod_name)
+        with _cwd_importable():
+            module = importlib.import_module(mod_name)
     except Exception as e:  # noqa: BLE001 - the user's module: any failure is reported in one line
         where = f" ({e.filename}, line {e.lineno})" if isinstance(e, SyntaxError) else ""
         raise UserError(f"cannot import {mod_name!r} for --model {spec}: {type(e).__name__}: {e}{where}") from None
@@ -84,6 +88,22 @@ def _from_factory(spec: str, kwargs: dict, batch: int | None, seq: int | None, d
             "(cfg.vocab or config.vocab_size) to draw token ids from: return (model, example_inputs)"
         )
     return made, torch.randint(0, vocab, (batch, seq), device=device)
+
+
+@contextmanager
+def _cwd_importable():
+    """The current directory on ``sys.path`` while a factory's module is imported,
+    as for ``python -m``: the ``autosac`` script alone would not find a
+    ``my_model.py`` next to where it runs."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
 
 
 def _vocab_size(model: torch.nn.Module) -> int | None:

@@ -453,3 +453,20 @@ def test_hf_without_transformers_is_one_line_naming_the_extra():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "autosac: error: hf: models need transformers: pip install 'autosac[hf]'"
+
+
+def test_a_factory_next_to_where_the_command_runs_is_found(tmp_path):
+    """The console script does not put the current directory on sys.path; a
+    package.module:factory spec is looked up there too, as `python -m` would."""
+    import shutil
+
+    (tmp_path / "here_model.py").write_text(
+        "from autosac.models import build_model\n\n"
+        "def build():\n    return build_model('gpt-tiny')\n"
+    )
+    script = shutil.which("autosac")
+    assert script is not None
+    proc = subprocess.run([script, "plan", "--model", "here_model:build", "--budget", "90%", "--quiet"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "planned peak" in proc.stdout
