@@ -150,8 +150,8 @@ def check_backend(backend) -> None:
     """Raises ValueError unless plans can be fitted under ``torch.compile(backend=backend)``."""
     if backend == "inductor":
         raise ValueError(
-            "compile='inductor' is not supported: inductor's kernels allocate buffers a fake-mode trace cannot "
-            "follow (measured up to 32% over an aot_eager-traced peak); plan with compile='aot_eager', or keep "
+            "compile='inductor' is not supported: inductor's step holds memory a fake-mode trace cannot follow "
+            "(a 2-layer GPT traced 33.0 MiB and measured 40.3 MiB); plan with compile='aot_eager', or keep "
             "a reserve= under inductor and check with autosac.measure"
         )
     if backend not in COMPILE_BACKENDS:

@@ -63,7 +63,7 @@ def sweep_table(result) -> str:
     out = [head + "  status"]
     for p in result.points:
         if p.plan is None:
-            least = format_bytes(int(p.error.split()[-1])) if p.error.startswith("least peak") else "?"
+            least = format_bytes(p.min_feasible_bytes) if p.min_feasible_bytes is not None else "?"
             out.append(f"{format_bytes(p.budget_bytes):>11}  {'-':>12}  {'-':>11}  {'-':>8}  {'-':>7}"
                        + (f"  {'-':>13}  {'-':>12}  {'-':>4}" if measured else "") + f"  infeasible (least peak {least})")
             continue

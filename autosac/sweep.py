@@ -31,7 +31,8 @@ __all__ = ["SweepPoint", "Sweep", "sweep", "repeated_blocks", "measure_sweep"]
 @dataclass
 class SweepPoint:
     """One budget's plan: predicted peak, recompute ms and overhead (recompute
-    over the unmodified step), or ``error`` when no plan fits; ``measured_*``
+    over the unmodified step), or, when no plan fits, ``status`` "infeasible"
+    and ``min_feasible_bytes`` the least budget that works; ``measured_*``
     after :func:`measure_sweep`."""
 
     budget_bytes: int
@@ -40,7 +41,7 @@ class SweepPoint:
     overhead: float | None = None
     modules: int = 0
     status: str = ""
-    error: str = ""
+    min_feasible_bytes: int | None = None
     plan: Plan | None = None
     measured_peak_bytes: int | None = None
     measured_overhead: float | None = None
@@ -110,7 +111,7 @@ def sweep(
 
     Returns:
         Sweep, its points in the order of ``budgets``; a budget no plan reaches
-        is a point with ``error`` set, not an exception.
+        is a point with ``status`` "infeasible" and no plan, not an exception.
 
     Raises:
         ValueError: a malformed budget or reserve (before anything is solved).
@@ -123,7 +124,7 @@ def sweep(
         try:
             plan = solve_stats(stats, budget, solver=solver, time_limit_s=time_limit_s, problem=problem)
         except InfeasibleBudgetError as e:
-            points.append(SweepPoint(budget, status="infeasible", error=f"least peak {e.min_feasible_bytes}"))
+            points.append(SweepPoint(budget, status="infeasible", min_feasible_bytes=e.min_feasible_bytes))
         else:
             points.append(_point(plan, budget))
         if on_point is not None:

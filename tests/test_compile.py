@@ -200,6 +200,8 @@ def test_plans_for_compile_refuse_what_they_cannot_trace():
         autosac.trace.compiled_peak(torch.compile(model), idx)
     with pytest.raises(ValueError, match="backends"):
         autosac.trace.compiled_peak(model, idx, backend="eager")
+    with pytest.raises(ValueError, match="backends"):
+        autosac.trace.compiled_peak(model, idx, backend="inductor")  # its step holds memory its graphs hide
     assert autosac.applier.applied_plan(model) is None
 
 

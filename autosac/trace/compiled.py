@@ -11,37 +11,34 @@ counts their tensors as it counts an eager step's.  Nothing real is
 allocated, so a model on ``meta`` works.
 
 Backends: ``"aot_eager"`` runs the partitioned graphs as traced, and its
-peak matched the CPU allocator's to the byte (``tests/test_compile.py``).
-``"inductor"`` cannot run on fake tensors (its kernels read memory), so its
-step is traced as ``"aot_eager_decomp_partition"`` -- inductor's
-decompositions and the same min-cut partitioner, without inductor's own
-buffer planning.  That is only an estimate: on a 2-layer GPT with a plan
-applied it traced 33.0 MiB where inductor's step measured 40.3 MiB (its
-backward held more), so :func:`autosac.solve` does not plan for inductor.
+peak matched the CPU allocator's to the byte (``tests/test_compile.py``);
+``"aot_eager_decomp_partition"`` likewise with inductor's decompositions.
+``"inductor"`` is refused: its kernels cannot run on fake tensors, and its
+step holds memory its graphs do not show -- on a 2-layer GPT with a plan
+applied, the decomposed graphs traced 33.0 MiB where inductor's step measured
+40.3 MiB.  Only bytes are kept: ops are priced by a roofline, never timed.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from torch import nn
 
-from autosac.devices import resolve_target
+from autosac.devices import DEVICES
 from autosac.trace.aggregate import memory_timeline, peak_breakdown
 from autosac.trace.costs import CostModel
 from autosac.trace.step import trace_step
 
 __all__ = ["CompiledPeak", "compiled_peak", "TRACED_AS"]
 
-# the backend a compiled step is traced with, per backend the user compiles with
-TRACED_AS = {
-    "aot_eager": "aot_eager",
-    "inductor": "aot_eager_decomp_partition",
-    "aot_eager_decomp_partition": "aot_eager_decomp_partition",
-}
+# the backends whose compiled step runs op by op through the dispatcher (name -> what torch.compile is given)
+TRACED_AS = {"aot_eager": "aot_eager", "aot_eager_decomp_partition": "aot_eager_decomp_partition"}
+# bytes are all a compiled trace keeps: a roofline prices its ops instead of timing them on this CPU
+_CPU_KERNELS_UNTIMED = replace(DEVICES["a100"], name="cpu-kernels", device_type="cpu")
 
 
 @dataclass
@@ -54,7 +51,6 @@ class CompiledPeak:
     peak_phase: str
     breakdown: dict[str, int]
     backend: str
-    traced_as: str
 
 
 def compiled_peak(
@@ -77,13 +73,14 @@ def compiled_peak(
         example_inputs: one batch, as :func:`autosac.profile` takes it: a tensor, a
             tuple of positional arguments, or a dict of keyword arguments.
         loss_fn, optimizer: as :func:`autosac.profile`.
-        backend: ``"aot_eager"``, ``"inductor"`` or ``"aot_eager_decomp_partition"``.
+        backend: ``"aot_eager"`` or ``"aot_eager_decomp_partition"``.
 
     Returns:
         CompiledPeak.
 
     Raises:
-        ValueError: another backend, or a model already wrapped by ``torch.compile``.
+        ValueError: another backend (``"inductor"`` included), or a model already
+            wrapped by ``torch.compile``.
         TraceError: the compiled forward, the loss or the backward raised.
 
     Dynamo's caches for the code this compiled are cleared afterwards (a
@@ -92,13 +89,13 @@ def compiled_peak(
     Example::
 
         >>> autosac.apply(model, plan)
-        >>> autosac.trace.compiled_peak(model, idx, backend="inductor").peak_bytes
+        >>> autosac.trace.compiled_peak(model, idx, backend="aot_eager").peak_bytes
     """
     if backend not in TRACED_AS:
         raise ValueError(f"compiled peaks are traced for backends {', '.join(TRACED_AS)}, not {backend!r}")
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         raise ValueError("pass the model itself, not torch.compile(model): the compiled step is traced from it")
-    cost = CostModel(resolve_target("cpu"))
+    cost = CostModel(_CPU_KERNELS_UNTIMED)
     try:
         with _dynamo_caches_cleared():
             step = trace_step(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, cost_model=cost,
@@ -110,7 +107,7 @@ def compiled_peak(
     at = int(np.argmax(live)) if len(live) else 0
     peak = int(live[at]) if len(live) else 0
     phase = rec.phases[at] if len(live) else "forward"
-    return CompiledPeak(peak, phase, peak_breakdown(rec, at), backend, TRACED_AS[backend])
+    return CompiledPeak(peak, phase, peak_breakdown(rec, at), backend)
 
 
 @contextmanager
