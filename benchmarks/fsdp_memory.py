@@ -66,6 +66,7 @@ def _worker(rank, world, port, plan_json, mixed, out_dir):
         peak = autosac.measure(model, idx, optimizer="adamw", steps=1).peak_bytes
         with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
             f.write(str(peak))
+        dist.barrier()  # every rank done before any tears its gloo pairs down
     finally:
         dist.destroy_process_group()
 

@@ -167,5 +167,8 @@ def gloo_group(rank: int, world: int, port: int):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         yield
+        # every rank done before any tears its gloo pairs down: a rank whose peer
+        # left mid-teardown can abort ("terminate called without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from suite import free_port, run_ranks
+from suite import free_port, gloo_group, run_ranks
 
 import autosac
 from autosac.models import build_model
@@ -14,13 +14,10 @@ CFG = dict(n_layer=2, dim=64, n_head=4, seq=64, vocab=128, batch=4)
 
 
 def _worker(rank, world, port, plan_json, out_dir):
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)  # as the parent: same CPU kernels, same reduction order
-    try:
+    with gloo_group(rank, world, port):
         torch.manual_seed(0)
         batch = CFG["batch"]
         model, idx = build_model("gpt2", device="cpu", batch=batch, **{k: v for k, v in CFG.items() if k != "batch"})
@@ -33,8 +30,6 @@ def _worker(rank, world, port, plan_json, out_dir):
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
         if rank == 0:
             torch.save({"loss": loss.detach(), "grads": grads}, os.path.join(out_dir, "fsdp.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_plan_composes_with_fully_shard(tmp_path):
@@ -64,14 +59,11 @@ def _peak_worker(rank, world, port, plan_json, out_dir, mixed=None, plain_checkp
     """One rank: the GPT with a plan applied (or the block ``plain_checkpoint``
     wrapped in torch's own checkpoint), per-block ``fully_shard`` (with a
     MixedPrecisionPolicy of ``mixed`` = (param, reduce) dtypes), one measured step."""
-    import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.utils.checkpoint import checkpoint
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    try:
+    with gloo_group(rank, world, port):
         torch.manual_seed(0)
         model, idx = build_model("gpt2", device="cpu", batch=4, **MEM_CFG)
         if plan_json:
@@ -86,8 +78,6 @@ def _peak_worker(rank, world, port, plan_json, out_dir, mixed=None, plain_checkp
         fully_shard(model, **kw)
         peak = autosac.measure(model, idx, optimizer="adamw", steps=1).peak_bytes
         (out_dir / f"rank{rank}").write_text(str(peak))
-    finally:
-        dist.destroy_process_group()
 
 
 def _fsdp_peak(tmp_path, world, plan, mixed=None, plain_checkpoint=None, units=None) -> int:

@@ -1,14 +1,13 @@
 """The native pack_downcast op and the downcast gather: bitwise equal to casting
 each tensor with PyTorch, in fake mode too, over real gloo processes."""
 
-import os
 import shutil
 import subprocess
 import warnings
 
 import pytest
 import torch
-from suite import run_ranks
+from suite import gloo_group, run_ranks
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autosac import native, ops
@@ -152,9 +151,7 @@ def test_the_cuda_kernel_compiles(tmp_path):
 def _gather_worker(rank, world, port):
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         torch.manual_seed(rank)
         shards = [torch.randn(4, 3) * 100, torch.randn(7), torch.randn(2, 2, 2), _special_values()]
         handed = []  # bytes handed to the collective, counted at its input
@@ -180,8 +177,6 @@ def _gather_worker(rank, world, port):
             expect = ref.view(world, *s.shape).to(torch.bfloat16)
             assert torch.equal(got.view(torch.int16), expect.view(torch.int16))
         assert torch.equal(fused[0][rank].view(torch.int16), shards[0].to(torch.bfloat16).view(torch.int16))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 3])
