@@ -49,12 +49,12 @@ def solve(
         max_choices: discard choices offered per module (breakpoints of its curve).
         presolve: when module intervals nest (sequential models), solve exactly by
             the chain DP first and hand its optimum to the MILP as bound and start.
-        compile: ``"aot_eager"`` to plan for ``torch.compile(model, backend="aot_eager")``:
-            the compiled step is traced (fake mode) with each candidate plan applied
-            and the budget lowered until the compiled peak fits
-            (:mod:`autosac.compile_fit`).  Needs the model (not stats), ``target="cpu"``,
-            one process, no autocast.  ``"inductor"`` is refused (its buffers are
-            not traceable); ``None`` plans the eager step.
+        compile: ``"inductor"`` (``torch.compile``'s default backend) or ``"aot_eager"``
+            to plan for ``torch.compile(model, backend=compile)``: the compiled step is
+            traced (fake mode) with each candidate plan applied and the budget lowered
+            until the compiled peak fits (:mod:`autosac.compile_fit`).  Needs the model
+            (not stats), ``target="cpu"``, one process, no autocast.  ``None`` plans
+            the eager step.
 
     Returns:
         Plan: decisions {fqn: discard ratio}, the ops each recomputes, predicted peak.

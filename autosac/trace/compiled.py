@@ -13,15 +13,17 @@ allocated, so a model on ``meta`` works.
 Backends: ``"aot_eager"`` runs the partitioned graphs as traced, and its
 peak matched the CPU allocator's to the byte (``tests/test_compile.py``);
 ``"aot_eager_decomp_partition"`` likewise with inductor's decompositions.
-``"inductor"`` is refused: its kernels cannot run on fake tensors, and its
-step holds memory its graphs do not show -- on a 2-layer GPT with a plan
-applied, the decomposed graphs traced 33.0 MiB where inductor's step measured
-40.3 MiB.  Only bytes are kept: ops are priced by a roofline, never timed.
+``"inductor"`` compiles as inductor does, then runs inductor's own wrapper
+code on the fake tensors with its fused kernels skipped
+(:mod:`autosac.trace.inductor`): the buffers it allocates, views and frees
+are the step's memory.  Only bytes are kept: ops are priced by a roofline,
+never timed.  Compiled traces are for CPU targets: a GPU's compiled code
+(other kernels, other allocations) is not traced here.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -31,12 +33,14 @@ from torch import nn
 from autosac.devices import DEVICES
 from autosac.trace.aggregate import memory_timeline, peak_breakdown
 from autosac.trace.costs import CostModel
+from autosac.trace.inductor import inductor_on_fake_tensors
 from autosac.trace.step import trace_step
 
 __all__ = ["CompiledPeak", "compiled_peak", "TRACED_AS"]
 
-# the backends whose compiled step runs op by op through the dispatcher (name -> what torch.compile is given)
-TRACED_AS = {"aot_eager": "aot_eager", "aot_eager_decomp_partition": "aot_eager_decomp_partition"}
+# the backends whose compiled step is traced (name -> what torch.compile is given)
+TRACED_AS = {"aot_eager": "aot_eager", "aot_eager_decomp_partition": "aot_eager_decomp_partition",
+             "inductor": "inductor"}
 # bytes are all a compiled trace keeps: a roofline prices its ops instead of timing them on this CPU
 _CPU_KERNELS_UNTIMED = replace(DEVICES["a100"], name="cpu-kernels", device_type="cpu")
 
@@ -73,14 +77,14 @@ def compiled_peak(
         example_inputs: one batch, as :func:`autosac.profile` takes it: a tensor, a
             tuple of positional arguments, or a dict of keyword arguments.
         loss_fn, optimizer: as :func:`autosac.profile`.
-        backend: ``"aot_eager"`` or ``"aot_eager_decomp_partition"``.
+        backend: ``"inductor"`` (``torch.compile``'s default), ``"aot_eager"`` or
+            ``"aot_eager_decomp_partition"``.
 
     Returns:
         CompiledPeak.
 
     Raises:
-        ValueError: another backend (``"inductor"`` included), or a model already
-            wrapped by ``torch.compile``.
+        ValueError: another backend, or a model already wrapped by ``torch.compile``.
         TraceError: the compiled forward, the loss or the backward raised.
 
     Dynamo's caches for the code this compiled are cleared afterwards (a
@@ -97,9 +101,9 @@ def compiled_peak(
         raise ValueError("pass the model itself, not torch.compile(model): the compiled step is traced from it")
     cost = CostModel(_CPU_KERNELS_UNTIMED)
     try:
-        with _dynamo_caches_cleared():
+        with _dynamo_caches_cleared(), (inductor_on_fake_tensors() if backend == "inductor" else nullcontext()):
             step = trace_step(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, cost_model=cost,
-                              compile_backend=TRACED_AS[backend])
+                              compile_backend=TRACED_AS[backend], small_values=backend != "inductor")
     finally:
         cost.finish()
     rec = step.recording

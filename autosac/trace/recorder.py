@@ -112,9 +112,10 @@ def _suggested_format(x: torch.Tensor) -> torch.memory_format:
     return torch.contiguous_format
 
 
-def run_op(func, args, kwargs, made_in_trace=lambda t: False, fake_mode=None):
+def run_op(func, args, kwargs, made_in_trace=lambda t: False, fake_mode=None, small_values=True):
     """Run one op of the trace: under fake mode, unless it only reads small real
-    tensors (or none) and makes small ones.
+    tensors (or none) and makes small ones (and ``small_values``: a trace whose
+    fused kernels are skipped computes no values, so its ops all run fake).
 
     Code that branches on tensor values -- position ids, attention masks, a
     cache's length -- then sees the values an eager step sees, and code that
@@ -134,6 +135,8 @@ def run_op(func, args, kwargs, made_in_trace=lambda t: False, fake_mode=None):
             raise RuntimeError("autosac: an op writes into a real tensor of the model during the trace")
         twins = {id(t): fake_mode.from_tensor(t) for t in foreign}
         args, kwargs = tree_map(lambda a: twins.get(id(a), a) if isinstance(a, torch.Tensor) else a, (args, kwargs))
+        return func(*args, **kwargs)
+    if not small_values:
         return func(*args, **kwargs)
     tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
     if any(isinstance(t, FakeTensor) or t.requires_grad or t.device.type != "cpu" for t in tensors):
@@ -357,7 +360,8 @@ class StepRecorder(TorchDispatchMode):
         self._engine_sums: list[tuple[int, int]] = []  # (event, storage of the first gradient)
         self._number_args: set[int] = set()  # forward events with a number in a Tensor argument
         self.device_type = "cpu"  # the device the traced step's tensors are on
-        self.fake_mode = None  # the trace's FakeTensorMode (writes into the model's real tensors go to fakes)  # forward ops' reads (autosac.dataflow: shared with the applier)
+        self.fake_mode = None  # the trace's FakeTensorMode (writes into the model's real tensors go to fakes)
+        self.small_values = True  # small cpu ops run for real (see run_op)
 
     # ----------------------------------------------------------- storages
     def track(
@@ -521,7 +525,8 @@ class StepRecorder(TorchDispatchMode):
             return func(*args, **kwargs)
         if self._pending:
             self._flush_pending()
-        out = with_kernel_layout(func, args, run_op(func, args, kwargs, self._made_in_trace, self.fake_mode))
+        out = with_kernel_layout(func, args, run_op(func, args, kwargs, self._made_in_trace, self.fake_mode,
+                                                          self.small_values))
 
         rec = self.rec
         idx = len(rec.ops)

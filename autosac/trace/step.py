@@ -84,13 +84,17 @@ def trace_step(
     param_dtype: torch.dtype | None = None,
     autocast: torch.dtype | None = None,
     compile_backend: str | None = None,
+    small_values: bool = True,
 ) -> TracedStep:
     """Trace forward, loss, backward and optimizer step; return the raw recording.
 
     With ``compile_backend`` the forward runs as ``torch.compile(model,
     backend=compile_backend)`` would run it: the recording holds the ops of the
     compiled forward and backward graphs (and no module windows: compiled
-    code runs no module hooks).
+    code runs no module hooks).  ``small_values=False`` runs every op fake
+    (by default ops on small real cpu tensors run for real, so code that reads
+    their values branches as in the real step); a compiled step whose fused
+    kernels are skipped computes no values to read.
 
     The model and the example inputs are left exactly as they were: parameters
     and buffers are swapped back, and attributes the forward assigned (under
@@ -116,7 +120,7 @@ def trace_step(
         with _gc_paused(), _fake_tensor_log_quiet(), fake_parameters(model, mode, param_dtype), mode:
             # FSDP2's mixed precision casts floating inputs to param_dtype too
             args, kwargs = tree_map(lambda x: _trace_input(x, param_dtype), (real_args, real_kwargs))
-            once = (model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast, runner)
+            once = (model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast, runner, small_values)
             step = _trace_once(*once)
             if before.grew():
                 step = _trace_once(*once)
@@ -189,12 +193,13 @@ def _trace_input(x, dtype: torch.dtype | None = None):
 
 
 def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast=None,
-                compiled=None) -> TracedStep:
+                compiled=None, small_values=True) -> TracedStep:
     """One recorded step on a model whose parameters are already fake (run
     through ``compiled``, its ``torch.compile`` wrapper, when given)."""
     names = {id(m): fqn for fqn, m in model.named_modules()}
     recorder = (StepRecorder if compiled is None else CompiledStepRecorder)(cost_model)
     recorder.fake_mode = mode
+    recorder.small_values = small_values
     recorder.device_type = cost_model.spec.device_type
     opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
     _init_optimizer_state(model, opt)
