@@ -7,22 +7,22 @@ run so the ratios are measured side by side:
   (a) autosac's plan (profiled with target="cpu", ops timed on this machine)
   (b) full activation checkpointing of every block (torch.utils.checkpoint)
   (c) PyTorch's own sac_milp decisions (torch.distributed._tools), applied by autosac
-  (d) torch.compile(backend="aot_eager_decomp_partition") with
+  (d) torch.compile(backend="aot_eager_decomp_partition") (or --backend inductor) with
       torch._functorch.config.activation_memory_budget at the same fraction
   (e) no checkpointing
-  (f) with --compiled-plan: autosac's plan applied, then torch.compile(backend="aot_eager"):
-      the decisions as the partitioner's recompute tags
+  (f) with --compiled-plan: autosac's plan applied, then torch.compile(backend="aot_eager")
+      (or --backend inductor): the decisions as the partitioner's recompute tags
   (g) with --fit-compile: a plan fitted to the compiled step
-      (autosac.solve(..., compile="aot_eager")), applied, then torch.compile(backend="aot_eager")
+      (autosac.solve(..., compile=BACKEND)), applied, then torch.compile(backend=BACKEND)
 
 Peaks come from the profiler's allocator events (autosac.measure).  Step times
 are medians of --rounds steps, taken in turn across the methods of one budget
 (and an unmodified model among them), so drift on this shared machine hits all
 alike.  Overhead is step time over (e)'s in the same group -- and for (d) also
-over its own unbudgeted compiled step, since its decomposed ops run slower here.
+over its own unbudgeted compiled step (and (f), (g) over that step too: "vs own").
 
     python benchmarks/bench_apply.py [--rounds 3] [--skip-compile] [--skip-torch-sac] [--compiled-plan] [--fit-compile]
-        [--fracs 0.5]
+        [--fracs 0.5] [--backend aot_eager|inductor]
 """
 
 from __future__ import annotations
@@ -133,11 +133,15 @@ class UnderBudget(torch.nn.Module):
             return self.compiled(*args, **kwargs)
 
 
+BACKEND = "aot_eager"  # --backend: what (f) and (g) compile with; (d) uses its decomposing twin for aot_eager
+BUDGETED_BACKEND = {"aot_eager": "aot_eager_decomp_partition", "inductor": "inductor"}
+
+
 def compiled(model, frac: float):
     import torch._dynamo
 
     torch._dynamo.reset()
-    return UnderBudget(torch.compile(model, backend="aot_eager_decomp_partition"), frac)
+    return UnderBudget(torch.compile(model, backend=BUDGETED_BACKEND[BACKEND]), frac)
 
 
 class Stepper:
@@ -201,12 +205,14 @@ def main() -> None:
     ap.add_argument("--skip-torch-sac", action="store_true")
     ap.add_argument("--compiled-plan", action="store_true", help="also (f): the plan under torch.compile")
     ap.add_argument("--fit-compile", action="store_true",
-                    help="also (g): a plan fitted to the compiled step (solve(..., compile='aot_eager')), compiled")
+                    help="also (g): a plan fitted to the compiled step (solve(..., compile=BACKEND)), compiled")
+    ap.add_argument("--backend", choices=sorted(BUDGETED_BACKEND), default="aot_eager",
+                    help="the torch.compile backend of (d), (f) and (g)")
     ap.add_argument("--fracs", default=None, help="budgets as fractions of the peak, e.g. 0.5,0.7")
     ap.add_argument("--model", choices=sorted(MODELS), default="gpt2")
     args = ap.parse_args()
-    global NAME, CFG
-    NAME, CFG = args.model, MODELS[args.model]
+    global NAME, CFG, BACKEND
+    NAME, CFG, BACKEND = args.model, MODELS[args.model], args.backend
     warnings.simplefilter("ignore")
     torch.set_num_threads(2)
 
@@ -249,21 +255,27 @@ def main() -> None:
                                  reference=compile_ref))
         if args.compiled_plan:
             torch._dynamo.reset()
-            planned = torch.compile(autosac.apply(copy.deepcopy(base_model), plan), backend="aot_eager")
-            group.append(Stepper("(f) autosac+cc", UnderBudget(planned, 1.0), budget, plan))
+            planned = torch.compile(autosac.apply(copy.deepcopy(base_model), plan), backend=BACKEND)
+            group.append(Stepper("(f) autosac+cc", UnderBudget(planned, 1.0), budget, plan, reference=compile_ref))
         if args.fit_compile:
             t0 = time.perf_counter()
-            fitted = autosac.solve(base_model, budget, idx, target="cpu", compile="aot_eager")
+            try:
+                fitted = autosac.solve(base_model, budget, idx, target="cpu", compile=BACKEND)
+            except autosac.InfeasibleBudgetError as e:
+                print(f"  (g) no plan fits under torch.compile ({time.perf_counter() - t0:.1f} s): {e}", flush=True)
+                run_group(group, fresh, idx, args.rounds, rows, f"budget {frac:.1%} of the peak")
+                continue
             print(f"  (g) fitted for compile in {time.perf_counter() - t0:.1f} s, {fitted.compiled['rounds']} rounds: "
                   f"predicted {fitted.predicted_peak_bytes / MIB:.1f} MiB compiled "
                   f"({fitted.compiled['eager_peak_bytes'] / MIB:.1f} MiB eager)", flush=True)
             torch._dynamo.reset()
-            planned = torch.compile(autosac.apply(copy.deepcopy(base_model), fitted), backend="aot_eager")
-            group.append(Stepper("(g) cc-fitted", UnderBudget(planned, 1.0), budget, fitted))
+            planned = torch.compile(autosac.apply(copy.deepcopy(base_model), fitted), backend=BACKEND)
+            group.append(Stepper("(g) cc-fitted", UnderBudget(planned, 1.0), budget, fitted, reference=compile_ref))
         run_group(group, fresh, idx, args.rounds, rows, f"budget {frac:.1%} of the peak")
 
     print("\noverhead: median over rounds of step / mean of the unmodified steps just before and after it;")
-    print("spread: max - min of those ratios; vs own: (d)'s step over its unbudgeted compiled step")
+    print(f"spread: max - min of those ratios; vs own: (d), (f), (g)'s step over the unbudgeted compiled step "
+          f"({BUDGETED_BACKEND[BACKEND]})")
     print("method          budget   measured peak  <=budget  step ms  overhead  spread  vs own  pred peak err"
           "  pred step err")
     for r in rows:
