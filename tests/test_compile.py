@@ -192,6 +192,24 @@ def test_a_kernel_stubbed_for_the_inductor_trace_refuses_to_run_outside_it():
         stub(torch.zeros(1))
 
 
+def test_the_inductor_trace_takes_views_as_inductor_does():
+    """Its view helper stands in for inductor's: an offset counted from the
+    buffer's own offset, the same elements."""
+    from autosac.trace.inductor import inductor_on_fake_tensors
+
+    guards = torch._C._dynamo.guards
+    original = guards._reinterpret_tensor
+    base = torch.arange(20.0)[3:]
+    real = original(base, (2, 3), (1, 4), 2)
+    with inductor_on_fake_tensors():
+        ours = guards._reinterpret_tensor(base, (2, 3), (1, 4), 2)
+        made = guards._empty_strided_cpu((2, 3), (1, 2), torch.float16)
+    assert torch.equal(ours, real) and ours.stride() == real.stride()
+    assert ours.storage_offset() == real.storage_offset() == 5
+    assert made.shape == (2, 3) and made.stride() == (1, 2) and made.dtype == torch.float16
+    assert ours is not real and guards._reinterpret_tensor is original  # restored after the block
+
+
 def test_tracing_a_compiled_step_leaves_no_dynamo_cache_entries_behind():
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 

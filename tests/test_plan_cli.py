@@ -222,8 +222,9 @@ def test_cli_user_mistakes_are_one_line(argv, match):
          "needs a positive vocab_size"),
         (["sweep", "--model", "gpt-tiny", "--plot", "/tmp/pareto"], "name a file ending in .png, .svg or .pdf"),
         (["plan", "--budget", "50%", "--model", "gpt-tiny", "--compile", "aot_eager"], "target='cpu'"),
-        (["plan", "--budget", "50%", "--model", "gpt-tiny", "--compile", "inductor", "--target", "cpu"],
-         "compile='inductor' is not supported"),
+        (["plan", "--budget", "50%", "--model", "gpt-tiny", "--compile", "inductor"], "target='cpu'"),
+        (["plan", "--budget", "50%", "--model", "gpt-tiny", "--compile", "tensorrt", "--target", "cpu"],
+         "compile= must be one of 'inductor', 'aot_eager'"),
     ],
 )
 def test_cli_mistakes_found_before_any_work_are_one_line(argv, match, capsys):

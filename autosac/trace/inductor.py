@@ -56,8 +56,9 @@ def _empty_strided_cpu(size, stride, dtype):
     return torch.empty_strided(size, stride, dtype=dtype, device="cpu")
 
 
-def _reinterpret_tensor(tensor, size, stride, offset):
-    return torch.as_strided(tensor, size, stride, offset)
+def _reinterpret_tensor(tensor, size, stride, offset_increment):
+    """Inductor's view of a buffer: ``offset_increment`` counts from the buffer's own offset."""
+    return torch.as_strided(tensor, size, stride, tensor.storage_offset() + offset_increment)
 
 
 @contextmanager
