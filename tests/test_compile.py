@@ -20,7 +20,9 @@ def test_saved_calls_are_named_by_op_and_occurrence():
     assert save_keys(calls, frozenset({2, 3})) == (("mm", 1), ("view", 0))
 
 
-def test_a_planned_model_compiles_whole_and_keeps_its_gradients_and_budget(monkeypatch):
+def test_a_planned_model_compiles_whole_and_keeps_its_gradients(monkeypatch):
+    """Its budget is the eager step's: compiled, the step may hold more (plans
+    for compile are fitted below)."""
     from autosac.applier import compiled as compiled_path
     from autosac.applier.region import RegionPolicy
 
@@ -39,7 +41,7 @@ def test_a_planned_model_compiles_whole_and_keeps_its_gradients_and_budget(monke
     monkeypatch.setattr(RegionPolicy, "start", counting_start)
     torch.manual_seed(0)
     model, idx = build_model("gpt2", device="cpu", batch=2, **CFG)
-    stats = autosac.profile(model, idx, optimizer="sgd", target="cpu")
+    stats = autosac.profile(model, idx, optimizer="sgd", target=A100_CPU_KERNELS)
     plan = autosac.solve(stats, "70%")
     assert plan.decisions
     reference = copy.deepcopy(model)
@@ -57,9 +59,6 @@ def test_a_planned_model_compiles_whole_and_keeps_its_gradients_and_budget(monke
     assert torch.equal(loss, expect)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p.grad, q.grad), name
-    model.zero_grad(set_to_none=True)
-    measured = autosac.measure(torch.compile(model, backend="aot_eager"), idx, optimizer="sgd", steps=1).peak_bytes
-    assert measured <= plan.budget_bytes, (measured, plan.budget_bytes)
 
 
 def test_the_memory_aware_backend_reorders_forward_and_backward_with_the_same_gradients():
@@ -181,15 +180,29 @@ def test_a_plan_fitted_for_inductor_keeps_the_budget_and_gradients_to_rounding()
 
 
 def test_a_kernel_stubbed_for_the_inductor_trace_refuses_to_run_outside_it():
+    import threading
+
     from torch._inductor.async_compile import AsyncCompile
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from autosac.trace.inductor import StubKernelCalledError, inductor_on_fake_tensors
 
+    with FakeTensorMode():
+        out = torch.empty(4)
     with inductor_on_fake_tensors():
-        stub = AsyncCompile().cpp_pybinding(["float*"], "never compiled")
-        stub(torch.zeros(1))  # in the trace: skipped
+        stub = AsyncCompile().cpp_pybinding(["const float*", "float*"], "never compiled")
+        stub(torch.zeros(4), out)  # in the trace: a real input read, a fake buffer written; skipped
+        with pytest.raises(StubKernelCalledError, match="real tensor it should write"):
+            stub(torch.zeros(4), torch.zeros(4))
+        # a real compile on another thread meanwhile builds and runs real kernels
+        got = {}
+        worker = threading.Thread(target=lambda: got.update(y=torch.compile(lambda t: (t * 2).sin() + 1)(torch.ones(4))))
+        worker.start()
+        worker.join()
+    torch.testing.assert_close(got["y"], (torch.ones(4) * 2).sin() + 1)
     with pytest.raises(StubKernelCalledError, match="outside"):
-        stub(torch.zeros(1))
+        stub(torch.zeros(4), out)
+    torch._dynamo.reset()
 
 
 def test_the_inductor_trace_takes_views_as_inductor_does():
