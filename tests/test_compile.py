@@ -137,30 +137,34 @@ def test_a_plan_fitted_for_compile_keeps_the_budget_an_eager_plan_breaks_when_co
     assert again.compiled == plan.compiled
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_the_compiled_peak_matches_the_allocator_with_and_without_a_plan(backend):
+@pytest.mark.parametrize("backend,planned", [("aot_eager", False), ("aot_eager", True), ("inductor", False)])
+def test_the_compiled_peak_matches_the_allocator(backend, planned):
     """Inductor's step is traced by running its own wrapper code on fake
     tensors (its fused kernels skipped): the buffers it allocates and frees are
-    what the profiler's allocator events measure, byte for byte."""
+    what the profiler's allocator events measure.  (Inductor with a plan: the
+    fitted plan's test below.)"""
     torch.manual_seed(0)
     model, idx = build_model("gpt2", device="cpu", batch=4, **{**FIT_CFG, "dropout": 0.0})
-    plan = autosac.solve(autosac.profile(model, idx, optimizer="sgd", target="cpu"), "60%")
-    for applied in (None, plan):
-        m = copy.deepcopy(model)
-        if applied is not None:
-            autosac.apply(m, applied)
-        traced = autosac.trace.compiled_peak(m, idx, optimizer="sgd", backend=backend).peak_bytes
-        torch._dynamo.reset()
-        measured = autosac.measure(torch.compile(m, backend=backend), idx, optimizer="sgd", steps=1).peak_bytes
-        assert abs(traced - measured) <= 0.005 * measured, (applied is not None, traced, measured)
+    if planned:
+        autosac.apply(model, autosac.solve(autosac.profile(model, idx, optimizer="sgd", target=A100_CPU_KERNELS),
+                                           "60%"))
+    traced = autosac.trace.compiled_peak(model, idx, optimizer="sgd", backend=backend).peak_bytes
+    torch._dynamo.reset()
+    measured = autosac.measure(torch.compile(model, backend=backend), idx, optimizer="sgd", steps=1).peak_bytes
+    assert abs(traced - measured) <= 0.005 * measured, (traced, measured)
 
 
-def test_a_plan_fitted_for_inductor_keeps_the_budget_and_gradients_to_rounding():
+def test_a_plan_fitted_for_inductor_keeps_the_budget_and_gradients_to_rounding(monkeypatch):
     """At 90 % the eager optimum goes over its budget under inductor (its
     fusions keep other buffers); the fitted plan keeps it, as predicted.  The
     real compile after the fake-mode traces of the same graphs runs real
     kernels (a stub left in inductor's module cache would leave gradients
-    unwritten): gradients equal eager's to float rounding (inductor fuses)."""
+    unwritten): gradients equal eager's to float rounding (inductor fuses).
+    Three traced plans at most, for time: the search stops at the first fit's
+    refinement."""
+    from autosac import compile_fit
+
+    monkeypatch.setattr(compile_fit, "MAX_ROUNDS", 3)
     torch.manual_seed(0)
     model, idx = build_model("gpt2", device="cpu", batch=4, **{**FIT_CFG, "dropout": 0.0})
     plan = autosac.solve(model, "90%", idx, optimizer="sgd", target="cpu", compile="inductor")
@@ -251,6 +255,12 @@ def test_plans_for_compile_refuse_what_they_cannot_trace():
         autosac.trace.compiled_peak(torch.compile(model), idx)
     with pytest.raises(ValueError, match="backends"):
         autosac.trace.compiled_peak(model, idx, backend="eager")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        on_gpu = torch.zeros(idx.shape, dtype=idx.dtype, device="cuda")
+    with pytest.raises(ValueError, match=r"traced for cpu \(or meta\) models, not \['cpu', 'cuda'\]"):
+        autosac.trace.compiled_peak(model, on_gpu, backend="inductor")
     assert autosac.applier.applied_plan(model) is None
 
 

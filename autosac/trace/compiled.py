@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from autosac.devices import DEVICES
 from autosac.trace.aggregate import memory_timeline, peak_breakdown
@@ -84,7 +85,8 @@ def compiled_peak(
         CompiledPeak.
 
     Raises:
-        ValueError: another backend, or a model already wrapped by ``torch.compile``.
+        ValueError: another backend, a model already wrapped by ``torch.compile``, or
+            (``"inductor"``) a model or inputs on a device other than cpu or meta.
         TraceError: the compiled forward, the loss or the backward raised.
 
     Dynamo's caches for the code this compiled are cleared afterwards (a
@@ -99,6 +101,11 @@ def compiled_peak(
         raise ValueError(f"compiled peaks are traced for backends {', '.join(TRACED_AS)}, not {backend!r}")
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         raise ValueError("pass the model itself, not torch.compile(model): the compiled step is traced from it")
+    devices = {t.device.type for t in (*model.parameters(), *model.buffers(), *tree_leaves(example_inputs))
+               if isinstance(t, torch.Tensor)}
+    if backend == "inductor" and not devices <= {"cpu", "meta"}:
+        raise ValueError(f"inductor's compiled step is traced for cpu (or meta) models, not {sorted(devices)}: "
+                         "a GPU's generated kernels are not reproduced")
     cost = CostModel(_CPU_KERNELS_UNTIMED)
     try:
         with _dynamo_caches_cleared(), (inductor_on_fake_tensors() if backend == "inductor" else nullcontext()):
