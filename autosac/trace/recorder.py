@@ -136,10 +136,9 @@ def run_op(func, args, kwargs, made_in_trace=lambda t: False, fake_mode=None, sm
         twins = {id(t): fake_mode.from_tensor(t) for t in foreign}
         args, kwargs = tree_map(lambda a: twins.get(id(a), a) if isinstance(a, torch.Tensor) else a, (args, kwargs))
         return func(*args, **kwargs)
-    if not small_values:
-        return func(*args, **kwargs)
     tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-    if any(isinstance(t, FakeTensor) or t.requires_grad or t.device.type != "cpu" for t in tensors):
+    if not small_values or any(isinstance(t, FakeTensor) or t.requires_grad or t.device.type != "cpu"
+                               for t in tensors):
         return func(*args, **kwargs)
     if sum(t.numel() for t in tensors) > SMALL_NUMEL:
         return func(*args, **kwargs)
@@ -525,8 +524,8 @@ class StepRecorder(TorchDispatchMode):
             return func(*args, **kwargs)
         if self._pending:
             self._flush_pending()
-        out = with_kernel_layout(func, args, run_op(func, args, kwargs, self._made_in_trace, self.fake_mode,
-                                                          self.small_values))
+        ran = run_op(func, args, kwargs, self._made_in_trace, self.fake_mode, self.small_values)
+        out = with_kernel_layout(func, args, ran)
 
         rec = self.rec
         idx = len(rec.ops)
