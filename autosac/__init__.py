@@ -3,7 +3,7 @@
 Pipeline: :func:`profile` (trace) -> :class:`ModelStats` -> solve -> Plan -> apply.
 """
 
-from autosac import ops, zero3  # modules: autosac.ops.pack_downcast, autosac.zero3.install_downcast_gather
+from autosac import ops, schedule, zero3  # modules: autosac.ops.pack_downcast, autosac.schedule.memory_aware_order, ...
 from autosac.api import solve
 from autosac.applier import apply, unapply
 from autosac.devices import DEVICES, DeviceSpec
@@ -38,6 +38,7 @@ __all__ = [
     "measure",
     "ops",
     "profile",
+    "schedule",
     "solve",
     "unapply",
     "zero3",

@@ -44,11 +44,17 @@ def _native_stderr_quiet():
         os.close(saved)
 
 
-def allocation_peak(fn: Callable[[], object]) -> tuple[int, int]:
+def allocation_peak(fn: Callable[[], object], after: str | None = None) -> tuple[int, int]:
     """Run ``fn`` once under the profiler; return ``(peak, net)``: the most
     bytes the CPU allocator had allocated above its level at the start, and
     the bytes still allocated at the end (what ``fn`` returned, say; the
     result is dropped only after the count).
+
+    ``after``: count from where ``fn`` first enters a
+    ``torch.profiler.record_function(after)`` block instead of from the start
+    (the profiler reports no free of memory allocated before it started, so a
+    step that frees what an earlier step made is measured after that step,
+    under the same profile).
 
     Raises whatever ``fn`` raises."""
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
@@ -60,9 +66,15 @@ def allocation_peak(fn: Callable[[], object]) -> tuple[int, int]:
         with _native_stderr_quiet():
             profiler.stop()
     del out
-    events = [e for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events = profiler.profiler.kineto_results.events()
+    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    start = min((e.start_ns() for e in events if after is not None and e.name() == after), default=None)
+    if after is not None and start is None:
+        raise RuntimeError(f"allocation_peak: fn never entered record_function({after!r})")
     level = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        level += e.nbytes()
+    for at, nbytes in memory:
+        if start is not None and at < start:
+            continue
+        level += nbytes
         peak = max(peak, level)
     return peak, level

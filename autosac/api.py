@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from autosac.budget import is_least
 from autosac.devices import resolve_target
 from autosac.plan import Plan
 from autosac.solver import check_solve_options, solve_budget
@@ -24,6 +25,7 @@ def solve(
     reduce_dtype=None,
     autocast=None,
     shard_units=None,
+    output_held: bool = True,
     solver: str = "cbc",
     time_limit_s: float = 60,
     reserve: str | int | float = 0,
@@ -37,10 +39,11 @@ def solve(
     Args:
         model_or_stats: an ``nn.Module`` (profiled here with ``example_inputs``,
             ``loss_fn``, ``optimizer``, ``target``, ``world_size``, ``param_dtype``,
-            ``reduce_dtype``, ``autocast``, ``shard_units``: see :func:`autosac.profile`) or a
+            ``reduce_dtype``, ``autocast``, ``shard_units``, ``output_held``: see :func:`autosac.profile`) or a
             :class:`ModelStats` from :func:`autosac.profile` (profile once, solve many).
         budget: ``"8GiB"``, ``"500MB"``, ``"60%"`` of the unconstrained peak,
-            an ``int`` of bytes or a ``float`` of GiB.
+            ``"least"`` (the least peak any plan reaches, with the least recompute
+            among the plans that reach it), an ``int`` of bytes or a ``float`` of GiB.
         solver: ``"cbc"`` (PuLP) or ``"highs"`` (SciPy); both reach the same optimum.
         time_limit_s: on hitting it the best feasible plan found is returned,
             flagged ``plan.solver["status"] == "time_limit"``.
@@ -77,6 +80,9 @@ def solve(
         from autosac.compile_fit import check_backend, check_setting
 
         check_backend(compile)
+        if is_least(budget):
+            raise ValueError("under torch.compile give the budget as a size or a percentage: 'least' is the least "
+                             "eager peak, which the compiled step need not reach")
         if not hasattr(model_or_stats, "named_modules"):
             raise ValueError("solve(..., compile=...) traces the compiled step: pass the model and example_inputs, "
                              "not stats")
@@ -90,7 +96,7 @@ def solve(
             raise ValueError("solve(model, ...) needs example_inputs= to profile the model (or pass a ModelStats)")
         stats = profile(model_or_stats, example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                         target=target, world_size=world_size, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                        autocast=autocast, shard_units=shard_units)
+                        autocast=autocast, shard_units=shard_units, output_held=output_held)
     if compile is None:
         return solve_budget(stats, budget, solver=solver, time_limit_s=time_limit_s, reserve=reserve,
                             max_choices=max_choices, presolve=presolve)

@@ -1,4 +1,5 @@
-"""Parse a memory budget: "8GiB", "500MB", "60%", an int of bytes, or a float of GiB."""
+"""Parse a memory budget: "8GiB", "500MB", "60%", an int of bytes, a float of
+GiB -- or "least", the least peak any plan reaches, which the solver finds."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 _PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-z]*|%)\s*$", re.IGNORECASE)
-ACCEPTED = 'a string like "8GiB", "500MB", "60%" (of the unconstrained peak), an int of bytes, or a float of GiB'
+ACCEPTED = ('a string like "8GiB", "500MB", "60%" (of the unconstrained peak), "least" (the least feasible), '
+            'an int of bytes, or a float of GiB')
+LEAST = "least"
+
+
+def is_least(budget) -> bool:
+    """Whether ``budget`` asks for the least feasible peak (``"least"``, any case)."""
+    return isinstance(budget, str) and budget.strip().lower() == LEAST
 
 
 def parse_budget(budget: str | int | float, baseline_peak_bytes: int, what: str = "budget") -> int:
@@ -37,6 +45,9 @@ def parse_budget(budget: str | int | float, baseline_peak_bytes: int, what: str 
     """
     if isinstance(budget, bool):
         raise ValueError(f"{what} {budget!r} is a bool: use {ACCEPTED}")
+    if is_least(budget):
+        raise ValueError(f"{what} 'least' is found by solving (autosac.solve(model_or_stats, 'least')): "
+                         "here give a size like '2GiB'")
     if isinstance(budget, int):
         value = budget
     elif isinstance(budget, float):

@@ -11,7 +11,7 @@ import time
 import warnings
 from contextlib import contextmanager
 
-from autosac.budget import format_bytes, parse_budget
+from autosac.budget import format_bytes, is_least, parse_budget
 from autosac.errors import MissingExtraError, SolveTimeoutError, StatsFormatError, TraceError
 from autosac.modelspec import UserError, build_from_spec
 
@@ -39,6 +39,9 @@ def _model_options(p: argparse.ArgumentParser) -> None:
                    help="with --world-size > 1 and --autocast: count the parameters the step only uses cast as "
                         "gathered already cast (autosac.zero3.install_downcast_gather)")
     p.add_argument("--optimizer", default="adamw")
+    p.add_argument("--drop-output", action="store_true",
+                   help="plan for a loop that drops the model's output at the loss (loss_fn(model(x)).backward()); "
+                        "default: `out = model(x)` held through backward (verify runs the plan's own loop)")
     p.add_argument("--solver", default="cbc", choices=["cbc", "highs"])
     p.add_argument("--time-limit", type=_positive_float, default=60.0, help="seconds for the solver")
     p.add_argument("--quiet", action="store_true", help="no progress lines (they are shown only on a terminal)")
@@ -102,7 +105,8 @@ def _profile(args):
                                                           ("autocast", args.autocast)) if v}
     with _Progress(args.quiet).stage(f"profiling {type(model).__name__} (one training step in fake mode)"):
         stats = autosac.profile(model, inputs, optimizer=args.optimizer, target=args.target,
-                                world_size=args.world_size, shard_units=args.shard_units, **dtypes)
+                                world_size=args.world_size, shard_units=args.shard_units,
+                                output_held=not args.drop_output, **dtypes)
     if args.downcast_gather:
         stats = autosac.zero3.with_downcast_gather(stats, dtypes["autocast"])
     return stats, model, inputs
@@ -111,7 +115,8 @@ def _profile(args):
 def cmd_plan(args) -> int:
     import autosac
 
-    parse_budget(args.budget, 1 << 60)  # reject a malformed budget before the profile runs
+    if not is_least(args.budget):
+        parse_budget(args.budget, 1 << 60)  # reject a malformed budget before the profile runs
     if args.compile:
         from autosac.compile_fit import check_backend, check_setting, fit_for_compile
 
@@ -140,7 +145,8 @@ def cmd_sweep(args) -> int:
 
     budgets = [item.strip() for item in args.budgets.split(",")]
     for item in budgets:
-        parse_budget(item, 1 << 60)
+        if not is_least(item):
+            parse_budget(item, 1 << 60)
     if args.plot:
         _check_plot_extra(args.plot)
     if args.verify and args.target != "cpu":
@@ -210,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="print the activation-checkpointing plan for a budget")
     _model_options(p)
-    p.add_argument("--budget", required=True, help='"8GiB", "500MB", "60%%" of the unconstrained peak, or a whole number of bytes')
+    p.add_argument("--budget", required=True, help='"8GiB", "500MB", "60%%" of the unconstrained peak, "least" (the least feasible), '
+                   'or a whole number of bytes')
     p.add_argument("--reserve", default=None, help="headroom to keep free, e.g. 2GiB")
     p.add_argument("--json", default=None, help="write the plan to this file")
     p.add_argument("--compile", default=None, metavar="BACKEND",

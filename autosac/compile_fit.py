@@ -20,7 +20,7 @@ Example::
 from __future__ import annotations
 
 from autosac.applier import applied_plan, apply, unapply
-from autosac.budget import format_bytes
+from autosac.budget import format_bytes, is_least
 from autosac.errors import InfeasibleBudgetError
 from autosac.plan import Plan
 from autosac.solver import solve_stats, usable_budget
@@ -73,6 +73,9 @@ def fit_for_compile(model, stats: ModelStats, budget, example_inputs, *, backend
         raise ValueError("the model already has a plan applied: call autosac.unapply(model) before fitting another")
     # under compile, random ops' outputs are always saved (autosac.applier.compiled): never offered as discards
     problem = build_problem(stats, max_choices, keep_random=True)
+    if is_least(budget):
+        raise ValueError("under torch.compile give the budget as a size or a percentage: 'least' is the least "
+                         "eager peak, which the compiled step need not reach")
     budget_bytes = usable_budget(budget, reserve, problem.baseline_peak)
     solve_kwargs.update(max_choices=max_choices, problem=problem)
     tolerance = max(budget_bytes // 200, 1)  # stop refining when the eager budgets tried are 0.5 % apart
@@ -142,7 +145,7 @@ def _compiled_peak_of(model, plan: Plan, example_inputs, loss_fn, optimizer, bac
     apply(model, plan)
     try:
         return compiled_peak(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer,
-                             backend=backend).peak_bytes
+                             backend=backend, output_held=plan.output_held).peak_bytes
     finally:
         unapply(model)
 

@@ -5,13 +5,19 @@ of most configs) builds a key/value cache that nothing reads, and holds every
 layer's keys and values in it until the output is dropped.  transformers' own
 gradient checkpointing turns the cache off in training; autosac does the same,
 in the trace and in the applied model alike, so the plan is made for the step
-that runs.
+that runs.  That holds wherever the transformers model sits in the module tree
+(the root, or inside a user's wrapper whose forward returns ``.loss``): each
+outermost one gets a forward pre-hook (:func:`no_cache_hook`).  With the cache
+on, a checkpointed layer's bound keyword arguments would keep the cache -- every
+layer's keys and values -- alive until that layer's backward.
 """
 
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 
+import torch
 from torch import nn
 
 
@@ -48,16 +54,63 @@ def training_kwargs(model: nn.Module, kwargs: dict) -> dict | None:
     return {**kwargs, "use_cache": False}
 
 
+def transformers_models(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(fqn, module)`` of each outermost transformers model in ``model``'s
+    tree: the root itself when it is one, else those inside wrappers (one
+    nested in another is reached through its parent, which passes its flags on).
+
+    Example::
+
+        >>> transformers_models(Wrapper(llama))
+        [('lm', LlamaForCausalLM(...))]
+    """
+    if "transformers" not in sys.modules:
+        return []
+    found: list[tuple[str, nn.Module]] = []
+    todo = [("", model)]
+    while todo:
+        fqn, mod = todo.pop()
+        if _is_transformers_model(mod):
+            found.append((fqn, mod))
+            continue
+        todo.extend(reversed([(f"{fqn}.{n}" if fqn else n, c) for n, c in mod.named_children()]))
+    return found
+
+
+def no_cache_hook(module: nn.Module, args, kwargs):
+    """Forward pre-hook (``with_kwargs=True``) for a transformers model: its
+    training forward with grad enabled runs with ``use_cache=False`` where it
+    would build a cache (see :func:`training_kwargs`)."""
+    changed = training_kwargs(module, kwargs) if torch.is_grad_enabled() else None
+    return None if changed is None else (args, changed)
+
+
+@contextmanager
+def caches_off(model: nn.Module):
+    """:func:`no_cache_hook` on every outermost transformers model inside
+    ``model`` for the block (the trace's step), removed after."""
+    handles = [m.register_forward_pre_hook(no_cache_hook, with_kwargs=True, prepend=True)
+               for _, m in transformers_models(model)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def own_checkpointing(model: nn.Module) -> str | None:
-    """A one-line reason when ``model`` already checkpoints by itself (transformers'
-    ``gradient_checkpointing_enable()``), else None: its checkpoints would nest
-    inside autosac's and its memory is not the plan's to count."""
-    # transformers 5 names it is_activation_checkpointing (the old name warns)
-    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else \
-        "is_gradient_checkpointing"
-    if _is_transformers_model(model) and getattr(model, name, False):
-        return (
-            f"{type(model).__name__} has transformers' gradient checkpointing enabled: call "
-            "model.gradient_checkpointing_disable() first -- autosac decides what to checkpoint"
-        )
+    """A one-line reason when ``model`` -- or a transformers model inside it --
+    already checkpoints by itself (transformers' ``gradient_checkpointing_enable()``),
+    else None: its checkpoints would nest inside autosac's and its memory is not
+    the plan's to count."""
+    for fqn, mod in transformers_models(model):
+        # transformers 5 names it is_activation_checkpointing (the old name warns)
+        name = "is_activation_checkpointing" if hasattr(type(mod), "is_activation_checkpointing") else \
+            "is_gradient_checkpointing"
+        if getattr(mod, name, False):
+            where = "model" if not fqn else f"model.{fqn}"
+            return (
+                f"{type(mod).__name__} has transformers' gradient checkpointing enabled: call "
+                f"{where}.gradient_checkpointing_disable() first -- autosac decides what to checkpoint"
+            )
     return None

@@ -22,8 +22,11 @@ from torch.utils._pytree import tree_leaves
 
 from autosac.allocations import allocation_peak
 from autosac.inputs import split_inputs
+from autosac.loop import check_output_held, output_tensors
 from autosac.optim import OptimizerSpec, default_loss, make_optimizer
 from autosac.trace.autocast import check_autocast_dtype
+
+_MEASURED = "autosac::measured_step"
 
 
 @dataclass
@@ -62,6 +65,7 @@ def measure(
     steps: int = 3,
     optimizer: OptimizerSpec = "adamw",
     autocast: torch.dtype | None = None,
+    output_held: bool = True,
 ) -> Measurement:
     """Run ``steps`` real training steps (after one warm-up that creates the
     optimizer state) and one more under the profiler for the memory peak.
@@ -74,13 +78,19 @@ def measure(
         optimizer: as in :func:`autosac.profile`; must match the profile to compare peaks.
         autocast: run forward and loss under ``torch.autocast`` in this dtype
             on the model's device (as :func:`autosac.profile` traced them).
+        output_held: run the loop :func:`autosac.profile` plans for by
+            default (:mod:`autosac.loop`): ``out = model(x)`` held in a
+            variable through backward and the optimizer step, replaced once
+            the next forward returns; ``False``: ``loss_fn(model(x))``, the
+            output dropped when the loss exists.  Use the plan's setting
+            (``plan.output_held``).
 
     Returns:
         Measurement with ``.peak_bytes`` and ``.step_ms``.
 
     Raises:
-        ValueError: ``steps < 1``, a model on ``meta`` (nothing to run), or an
-            ``autocast`` other than bfloat16/float16.
+        ValueError: ``steps < 1``, a model on ``meta`` (nothing to run), an
+            ``autocast`` other than bfloat16/float16, or a non-bool ``output_held``.
 
     Example::
 
@@ -92,6 +102,7 @@ def measure(
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("the model is on meta: measure needs real weights (build it on cpu)")
     check_autocast_dtype(autocast)
+    check_output_held(output_held)
     loss_fn = loss_fn or default_loss
     args, kwargs = split_inputs(example_inputs)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -103,9 +114,15 @@ def measure(
     # (a gradient left from the step before would be written in place, unseen)
     grad_inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
 
+    held = []  # the loop's `out` variable (output_held): the previous step's output until a forward returns
+
     def step() -> float:
         with amp():
-            loss = loss_fn(model(*args, **kwargs))
+            out = model(*args, **kwargs)
+            if output_held:
+                held[:] = [out]  # the previous step's output dies here
+            loss = loss_fn(out)
+            del out
         loss.backward()
         value = float(loss.detach())
         del loss
@@ -142,6 +159,20 @@ def measure(
     alive = list(model.parameters()) + list(model.buffers()) + list(tree_leaves((args, kwargs)))
     if opt is not None:
         alive += [t for st in opt.state.values() for t in st.values()]
-    base = _storage_bytes(alive)
-    peak, _ = allocation_peak(step)
+    if not output_held:
+        peak, _ = allocation_peak(step)
+        return Measurement(_storage_bytes(alive) + peak, statistics.median(times), times, loss)
+    # The measured step frees the previous step's output, which the profiler reports only
+    # if it was made under the profile: one step runs first (without a previous output,
+    # so it frees nothing made before), then the measured step, counted from its start.
+    base = _storage_bytes(alive + output_tensors(held))
+    held.clear()
+
+    def two_steps():
+        step()
+        with torch.profiler.record_function(_MEASURED):
+            pass
+        return step()
+
+    peak, _ = allocation_peak(two_steps, after=_MEASURED)
     return Measurement(base + peak, statistics.median(times), times, loss)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from autosac.errors import StatsFormatError
 
-PLAN_FORMAT = 4
+PLAN_FORMAT = 5
 
 
 @dataclass
@@ -103,6 +103,8 @@ class Plan:
     # made for torch.compile (autosac.compile_fit): {backend, eager_peak_bytes, eager_budget_bytes, rounds}; the
     # predicted peak is then the compiled step's
     compiled: dict = field(default_factory=dict)
+    # the loop it is made for (autosac.loop): True = `out = model(x)` held through backward, False = dropped
+    output_held: bool = True
     format: int = PLAN_FORMAT
 
     @property

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from autosac.errors import StatsFormatError
 
-STATS_FORMAT = 4
+STATS_FORMAT = 5
 
 @dataclass
 class SavedOp:
@@ -205,6 +205,8 @@ class ModelStats:
     checkpoint_state_bytes: int = 0  # what each checkpoint call keeps besides inputs: the saved RNG state
     # parameters FSDP2 gathers in another dtype than their own (autosac.zero3's downcast gather): fqn -> dtype
     gathered_dtypes: dict[str, str] = field(default_factory=dict)
+    # the loop traced (autosac.loop): the model's output alive to the step's end (True) or dropped at the loss
+    output_held: bool = True
     format: int = STATS_FORMAT
 
     def to_json(self) -> str:

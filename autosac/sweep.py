@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from autosac.errors import InfeasibleBudgetError
+from autosac.errors import InfeasibleBudgetError, SolveTimeoutError
 from autosac.plan import Plan
 from autosac.solver import least_peak, plan_from_decisions, solve_stats, usable_budget
 from autosac.solver.problem import build_problem
@@ -104,7 +104,7 @@ def sweep(
 
     Args:
         stats: from :func:`autosac.profile`.
-        budgets: budgets in any form :func:`autosac.solve` takes (``"60%"``, ``"8GiB"``, bytes).
+        budgets: budgets in any form :func:`autosac.solve` takes (``"60%"``, ``"8GiB"``, ``"least"``, bytes).
         solver, time_limit_s, reserve: as :func:`autosac.solve` (percentages are of the
             same unconstrained per-rank peak, and the reserve comes off every budget).
         on_point: called as ``on_point(done, total)`` after each budget (progress display).
@@ -117,8 +117,17 @@ def sweep(
         ValueError: a malformed budget or reserve (before anything is solved).
     """
     problem = build_problem(stats)
-    parsed = [usable_budget(b, reserve, problem.baseline_peak) for b in budgets]
+    for b in budgets:  # every budget checked before anything is solved
+        usable_budget(b, reserve, problem.baseline_peak, least=lambda: 0)
     least = least_peak(problem, solver=solver, time_limit_s=time_limit_s)
+
+    def least_bytes() -> int:  # the budget "least"
+        if least is None:
+            raise SolveTimeoutError(f"the {solver} solver found no least-peak plan within "
+                                    f"time_limit_s={time_limit_s:g}: raise the time limit")
+        return least[0]
+
+    parsed = [usable_budget(b, reserve, problem.baseline_peak, least=least_bytes) for b in budgets]
     points = []
     for i, budget in enumerate(parsed):
         try:
@@ -166,10 +175,12 @@ def measure_sweep(result: Sweep, model, example_inputs, *, steps: int = 2, optim
     if not plans:
         return result
     opt = optimizer or plans[0].plan.optimizer
-    base = measure(copy.deepcopy(model), example_inputs, steps=steps, optimizer=opt)
+    held = plans[0].plan.output_held  # the loop the plans were made for
+    base = measure(copy.deepcopy(model), example_inputs, steps=steps, optimizer=opt, output_held=held)
     result.measured_baseline_peak_bytes = base.peak_bytes
     for point in plans:
-        got = measure(apply(copy.deepcopy(model), point.plan), example_inputs, steps=steps, optimizer=opt)
+        got = measure(apply(copy.deepcopy(model), point.plan), example_inputs, steps=steps, optimizer=opt,
+                      output_held=held)
         point.measured_peak_bytes = got.peak_bytes
         point.measured_overhead = got.step_ms / base.step_ms - 1
     return result

@@ -38,14 +38,15 @@ def verify_plan_file(args) -> int:
     device = _device_for(plan, args.plan)
     model, inputs = build_from_spec(args.model, args.model_arg, args.batch, args.seq, device=device)
     amp = getattr(torch, plan.autocast) if plan.autocast else None
-    baseline = autosac.measure(copy.deepcopy(model), inputs, steps=args.steps, optimizer=plan.optimizer, autocast=amp)
+    loop = dict(steps=args.steps, optimizer=plan.optimizer, autocast=amp, output_held=plan.output_held)
+    baseline = autosac.measure(copy.deepcopy(model), inputs, **loop)
     autosac.apply(model, plan)
     run = model
     if plan.compiled:  # planned for torch.compile: measured compiled, as the prediction is
         torch._dynamo.reset()
         run = torch.compile(model, backend=plan.compiled["backend"])
         print(f"(the plan was made for torch.compile(backend={plan.compiled['backend']!r}): measured compiled)")
-    planned = autosac.measure(run, inputs, steps=args.steps, optimizer=plan.optimizer, autocast=amp)
+    planned = autosac.measure(run, inputs, **loop)
     rows = [
         ("peak, no checkpointing", plan.baseline_peak_bytes, baseline.peak_bytes),
         ("peak, with the plan", plan.predicted_peak_bytes, planned.peak_bytes),

@@ -53,3 +53,29 @@ def test_a_fractional_number_without_a_unit_asks_for_one():
 
 def test_float_gib_matches_sac_milp_convention():
     assert parse_budget(1.75, PEAK) == math.floor(1.75 * 2**30)
+
+
+def test_least_is_the_least_feasible_budget_from_stats_the_model_and_the_cli(capsys):
+    """``"least"`` plans at the least peak any plan reaches: the budget an
+    infeasible request names, with no second profile."""
+    import autosac
+    from autosac.cli import main
+    from autosac.models import build_model
+
+    model, idx = build_model("gpt-tiny", batch=2, seq=64, device="meta")
+    stats = autosac.profile(model, idx, target="cpu")
+    with pytest.raises(autosac.InfeasibleBudgetError) as e:
+        autosac.solve(stats, "1KiB")
+    plan = autosac.solve(stats, "least")
+    assert plan.budget_bytes == plan.predicted_peak_bytes == e.value.min_feasible_bytes
+    assert autosac.solve(stats, " LEAST ").decisions == plan.decisions
+    assert autosac.solve(model, "least", example_inputs=idx, target="cpu").budget_bytes == plan.budget_bytes
+    with pytest.raises(ValueError, match="a reserve needs a budget in bytes or percent"):
+        autosac.solve(stats, "least", reserve="1MiB")
+    with pytest.raises(ValueError, match="'least' is found by solving"):
+        parse_budget("least", PEAK)
+    with pytest.raises(ValueError, match="under torch.compile give the budget as a size"):
+        autosac.solve(model, "least", example_inputs=idx, target="cpu", compile="aot_eager")
+    assert main(["plan", "--model", "gpt-tiny", "--batch", "2", "--seq", "64", "--target", "cpu",
+                 "--budget", "least", "--quiet"]) == 0
+    assert "planned peak" in capsys.readouterr().out

@@ -10,7 +10,10 @@ F32 = 4
 
 
 def _profile(model, x, **kw):
+    """Profiled as ``loss_fn(model(x)).backward()``: the output dies at the loss
+    (the hand counts below are of the model alone)."""
     kw.setdefault("optimizer", "none")
+    kw.setdefault("output_held", False)
     return autosac.profile(model, x, **kw)
 
 
@@ -40,6 +43,24 @@ def test_linear_stack_exact_bytes():
     # h1 is produced in "0" and saved in "1": only the root can discard it
     assert s.modules[""].discardable_bytes == 4 * 32 * F32
     assert s.modules["0"].discardable_bytes == 0
+
+
+def test_the_loop_holds_the_output_to_the_end_and_the_previous_one_through_the_forward():
+    """``out = model(x); loss = f(out); loss.backward()`` in a loop: this step's
+    output lives through backward, the previous step's until the forward returns."""
+    model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.Linear(32, 8, bias=False))
+    x = torch.randn(4, 16)
+    held = _profile(model, x, output_held=True).timeline
+    dropped = _profile(model, x, output_held=False).timeline
+    y = 4 * 8 * F32
+    assert held.ops == dropped.ops and held.phases == dropped.phases
+    diff = [h - d for h, d in zip(held.live_bytes, dropped.live_bytes)]
+    forward = [i for i, p in enumerate(held.phases) if p == "forward"]
+    backward = [i for i, p in enumerate(held.phases) if p == "backward"]
+    assert {diff[i] for i in forward} == {y}  # the previous output
+    assert {diff[i] for i in backward} == {y}  # this step's output
+    with pytest.raises(ValueError, match="output_held must be True"):
+        autosac.profile(model, x, output_held="yes")
 
 
 def test_sgd_momentum_state_counts_as_optimizer_memory():

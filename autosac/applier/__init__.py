@@ -24,8 +24,8 @@ from autosac.applier.region import RegionPolicy, warn_user
 from autosac.errors import PlanMismatchError, StatsFormatError
 from autosac.fingerprint import model_fingerprint
 from autosac.inputs import format_signature, input_signature
-from autosac.integrations import own_checkpointing, training_kwargs
-from autosac.marks import APPLIED, POLICY
+from autosac.integrations import no_cache_hook, own_checkpointing, transformers_models
+from autosac.marks import APPLIED, CACHE_WARNED, POLICY
 from autosac.plan import Plan
 
 __all__ = ["apply", "unapply"]
@@ -94,6 +94,8 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
         setattr(mod, POLICY, policies[fqn])
     model.register_forward_pre_hook(_enter_model, with_kwargs=True)
     model.register_forward_hook(_exit_model, always_call=True)
+    for _, inner in transformers_models(model):  # wherever they sit: the root or inside a wrapper
+        inner.register_forward_pre_hook(_no_cache, with_kwargs=True, prepend=True)
     setattr(model, APPLIED, {"plan": plan, "warned_shapes": set()})
     model.__dict__[_CAST_CTX] = []  # made here, not at the first forward: a trace sees no new state
     return model
@@ -122,10 +124,14 @@ def unapply(model: nn.Module) -> nn.Module:
         return model
     model.__dict__.pop(_CAST_CTX, None)
     # found by identity rather than through handles, which a deepcopy would share
-    for table in (model._forward_pre_hooks, model._forward_hooks):
-        for key in [k for k, fn in table.items() if fn in (_enter_model, _exit_model)]:
-            del table[key]
-            model._forward_hooks_always_called.pop(key, None)
+    for mod in model.modules():
+        for table in (mod._forward_pre_hooks, mod._forward_hooks):
+            for key in [k for k, fn in table.items() if fn in (_enter_model, _exit_model, _no_cache)]:
+                del table[key]
+                mod._forward_hooks_always_called.pop(key, None)
+                mod._forward_pre_hooks_with_kwargs.pop(key, None)
+                mod._forward_hooks_with_kwargs.pop(key, None)
+        mod.__dict__.pop(CACHE_WARNED, None)
     for mod in model.modules():
         if POLICY in mod.__dict__:
             mod.__dict__.pop("forward", None)
@@ -172,18 +178,25 @@ def _enter_model(module, args, kwargs):
         _check_shapes(state, input_signature(args, kwargs))
     if state is not None and torch.is_grad_enabled():
         _check_device(state, module)
-    changed = training_kwargs(module, kwargs) if torch.is_grad_enabled() else None
-    if changed is not None and state is not None and not state.get("warned_cache"):
-        state["warned_cache"] = True
-        warn_user(
-            "autosac: use_cache=True in a training forward keeps every layer's keys and values in a cache "
-            "nothing reads; with a plan applied the model runs with use_cache=False, as transformers' own "
-            "gradient checkpointing does (pass use_cache=False to silence this)"
-        )
     ctx = torch.autograd.graph.saved_tensors_hooks(pack_cast, unpack_cast)
     ctx.__enter__()
     module.__dict__.setdefault(_CAST_CTX, []).append(ctx)
-    return None if changed is None else (args, changed)
+    return None
+
+
+@torch.compiler.disable
+def _no_cache(module, args, kwargs):
+    """On each transformers model of a planned model: no cache in training
+    (:func:`autosac.integrations.no_cache_hook`), said once per model."""
+    changed = no_cache_hook(module, args, kwargs)
+    if changed is not None and not module.__dict__.get(CACHE_WARNED):
+        module.__dict__[CACHE_WARNED] = True
+        warn_user(
+            f"autosac: use_cache=True in a training forward of {type(module).__name__} keeps every layer's keys and "
+            "values in a cache nothing reads; with a plan applied the model runs with use_cache=False, as "
+            "transformers' own gradient checkpointing does (pass use_cache=False to silence this)"
+        )
+    return changed
 
 
 @torch.compiler.disable

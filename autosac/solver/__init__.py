@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
-from autosac.budget import format_bytes, parse_budget
+from autosac.budget import format_bytes, is_least, parse_budget
 from autosac.dataflow import local_calls
 from autosac.errors import InfeasibleBudgetError, SolveTimeoutError
 from autosac.opkinds import SAC_IGNORED_NAMES
@@ -17,7 +18,8 @@ from autosac.solver.replay import ModuleReplay, saved_inside
 from autosac.solver.sharding import describe_units
 from autosac.stats import ModelStats
 
-__all__ = ["solve_budget", "solve_stats", "usable_budget", "check_solve_options", "least_peak", "plan_from_decisions"]
+__all__ = ["solve_budget", "solve_stats", "usable_budget", "check_solve_options", "least_peak", "least_peak_bytes",
+           "plan_from_decisions"]
 
 
 def solve_budget(
@@ -43,7 +45,8 @@ def solve_budget(
     if not isinstance(stats, ModelStats):
         raise TypeError(f"solve_budget needs a ModelStats, got {type(stats).__name__}")
     problem = build_problem(stats, max_choices)
-    budget_bytes = usable_budget(budget, reserve, problem.baseline_peak)
+    budget_bytes = usable_budget(budget, reserve, problem.baseline_peak,
+                                 least=lambda: least_peak_bytes(problem, solver=solver, time_limit_s=time_limit_s))
     return solve_stats(stats, budget_bytes, solver=solver, time_limit_s=time_limit_s, max_choices=max_choices,
                        presolve=presolve, problem=problem)
 
@@ -56,14 +59,23 @@ def check_solve_options(solver: str, time_limit_s) -> None:
         raise ValueError(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
 
 
-def usable_budget(budget: str | int | float, reserve: str | int | float, baseline_peak: int) -> int:
+def usable_budget(budget: str | int | float, reserve: str | int | float, baseline_peak: int,
+                  least: Callable[[], int] | None = None) -> int:
     """The bytes a plan may use: ``budget`` (percentages of ``baseline_peak``)
-    less ``reserve``.
+    less ``reserve``; for ``"least"``, what ``least()`` finds.
 
     Raises:
-        ValueError: a malformed budget or reserve, a percentage reserve, or a
-            reserve not smaller than the budget.
+        ValueError: a malformed budget or reserve, a percentage reserve, a
+            reserve not smaller than the budget, a reserve with ``"least"``, or
+            ``"least"`` where no ``least`` is given.
     """
+    if is_least(budget):
+        if reserve:
+            raise ValueError("a reserve needs a budget in bytes or percent: 'least' is the least peak any plan "
+                             "reaches, with nothing to keep free")
+        if least is None:
+            raise ValueError("budget 'least' is not available here: give a size like '2GiB' or '60%'")
+        return least()
     budget_bytes = parse_budget(budget, baseline_peak)
     if reserve:
         if isinstance(reserve, str) and reserve.strip().endswith("%"):
@@ -190,6 +202,20 @@ def plan_from_decisions(
     return _make_plan(stats, problem, choice, budget, info)
 
 
+def least_peak_bytes(problem: Problem, *, solver: str = "cbc", time_limit_s: float = 60) -> int:
+    """The least peak any plan reaches (the budget ``"least"`` means).
+
+    Raises:
+        SolveTimeoutError: the solver found no plan within ``time_limit_s``.
+    """
+    found = least_peak(problem, solver=solver, time_limit_s=time_limit_s)
+    if found is None:
+        raise SolveTimeoutError(
+            f"the {solver} solver found no least-peak plan within time_limit_s={time_limit_s:g}: raise the time limit"
+        )
+    return found[0]
+
+
 def least_peak(
     problem: Problem, *, solver: str = "cbc", time_limit_s: float = 60
 ) -> tuple[int, dict[int, int]] | None:
@@ -263,7 +289,7 @@ def _make_plan(stats: ModelStats, problem: Problem, choice: dict[int, int], budg
         versions=dict(stats.versions), input_shapes=[list(x) for x in stats.input_shapes],
         device=stats.target.get("device_type", ""), autocast=stats.autocast,
         sharding=describe_units(stats) if stats.world_size > 1 else "",
-        gathered_dtypes=dict(stats.gathered_dtypes),
+        gathered_dtypes=dict(stats.gathered_dtypes), output_held=stats.output_held,
     )
 
 

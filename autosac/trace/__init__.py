@@ -11,6 +11,7 @@ from autosac.devices import DeviceSpec, resolve_target
 from autosac.fingerprint import model_fingerprint
 from autosac.inputs import input_signature, split_inputs
 from autosac.integrations import own_checkpointing
+from autosac.loop import check_output_held
 from autosac.marks import has_applied_plan
 from autosac.optim import OptimizerSpec, optimizer_name
 from autosac.stats import ModelStats
@@ -36,6 +37,7 @@ def profile(
     reduce_dtype: torch.dtype | None = None,
     autocast: torch.dtype | None = None,
     shard_units: list[str] | str | None = None,
+    output_held: bool = True,
 ) -> ModelStats:
     """Trace one training step (forward, loss, backward, optimizer step) under
     FakeTensorMode and return its memory, runtime and recompute statistics.
@@ -69,6 +71,13 @@ def profile(
             Default: one unit per child of each ``ModuleList``/``Sequential``.
             Profile the model before sharding it: a model already sharded
             is refused with the units it has, ready to pass here.
+        output_held: the training loop keeps the model's output in a variable
+            (``out = model(x); loss = loss_fn(out); loss.backward()``), so it
+            is alive through backward and the optimizer step, and the previous
+            step's output until the forward returns (the default).  ``False``:
+            the output dies as soon as the loss exists
+            (``loss_fn(model(x)).backward()``, transformers' ``Trainer``).
+            See :mod:`autosac.loop`; measure with the same setting.
 
     Returns:
         ModelStats: plain, JSON-serialisable statistics.
@@ -104,21 +113,16 @@ def profile(
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     mixed = _mixed_precision(model, world_size, param_dtype, reduce_dtype)
     check_autocast_dtype(autocast)
+    check_output_held(output_held)
     refuse_sharded(model, world_size)
     units = resolve_shard_units(model, shard_units, world_size)
     cost = CostModel(spec)
     try:
         step = trace_step(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, cost_model=cost,
-                          param_dtype=param_dtype, autocast=autocast)
+                          param_dtype=param_dtype, autocast=autocast, output_held=output_held)
     finally:
         cost.finish()
-    if step.recording.unknown_ops:
-        warnings.warn(
-            "autosac: no FLOP formula for "
-            + ", ".join(sorted(step.recording.unknown_ops))
-            + "; timed as memory-bound",
-            stacklevel=2,
-        )
+    _say_unknown_ops(step.recording.unknown_ops)
     stats = aggregate(
         step,
         model_name=type(model).__name__,
@@ -132,9 +136,23 @@ def profile(
     stats.mixed_precision = mixed
     stats.autocast = str(autocast).removeprefix("torch.") if autocast is not None else ""
     stats.shard_units = units
+    stats.output_held = output_held
     # preserve_rng_state keeps the CPU generator state (and a device's) per checkpoint call
     stats.checkpoint_state_bytes = torch.get_rng_state().numel() + (16 if not spec.measured else 0)
     return stats
+
+
+_SAID_UNKNOWN: set[str] = set()  # ops already named in this process
+
+
+def _say_unknown_ops(ops: set[str]) -> None:
+    """One line naming the ops without a FLOP formula, each once per process
+    (``stats.unknown_flop_ops`` lists a profile's own)."""
+    new = sorted(set(ops) - _SAID_UNKNOWN)
+    if new:
+        _SAID_UNKNOWN.update(new)
+        warnings.warn(f"autosac: no FLOP formula for {', '.join(new)}; timed as memory-bound (said once per op)",
+                      stacklevel=3)
 
 
 def _mixed_precision(model: nn.Module, world_size: int, param_dtype, reduce_dtype) -> dict:

@@ -65,6 +65,7 @@ def compiled_peak(
     loss_fn=None,
     optimizer="adamw",
     backend: str = "aot_eager",
+    output_held: bool = True,
 ) -> CompiledPeak:
     """The peak of one steady-state training step of ``torch.compile(model, backend=backend)``.
 
@@ -77,7 +78,7 @@ def compiled_peak(
         model: the model to compile (not already compiled).
         example_inputs: one batch, as :func:`autosac.profile` takes it: a tensor, a
             tuple of positional arguments, or a dict of keyword arguments.
-        loss_fn, optimizer: as :func:`autosac.profile`.
+        loss_fn, optimizer, output_held: as :func:`autosac.profile`.
         backend: ``"inductor"`` (``torch.compile``'s default), ``"aot_eager"`` or
             ``"aot_eager_decomp_partition"``.
 
@@ -112,7 +113,8 @@ def compiled_peak(
     try:
         with _dynamo_caches_cleared(), (inductor_on_fake_tensors() if inductor else nullcontext()):
             step = trace_step(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, cost_model=cost,
-                              compile_backend=TRACED_AS[backend], small_values=not inductor)
+                              compile_backend=TRACED_AS[backend], small_values=not inductor,
+                              output_held=output_held)
     finally:
         cost.finish()
     rec = step.recording

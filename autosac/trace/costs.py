@@ -41,6 +41,12 @@ _MEMORY_BOUND = {
     "detach", "rsqrt", "sqrt", "pow", "sort", "topk", "cumsum", "linalg_vector_norm",
     "native_batch_norm", "native_batch_norm_backward", "_native_batch_norm_legit_functional",
     "_fused_rms_norm", "_fused_rms_norm_backward", "split_with_sizes_copy", "unbind_copy",
+    # pooling, resampling, group norm and the activations whose ops carry no pointwise tag
+    "avg_pool2d", "avg_pool2d_backward", "max_pool2d_with_indices", "max_pool2d_with_indices_backward",
+    "_adaptive_avg_pool2d", "_adaptive_avg_pool2d_backward", "adaptive_avg_pool2d",
+    "upsample_nearest2d", "upsample_nearest2d_backward", "upsample_bilinear2d", "upsample_bilinear2d_backward",
+    "native_group_norm", "native_group_norm_backward", "hardswish", "hardswish_backward",
+    "hardsigmoid", "hardsigmoid_backward", "index", "index_put", "slice_scatter", "select_scatter",
 }
 
 
@@ -169,13 +175,28 @@ def _compute_dtype(args) -> torch.dtype:
 
 @cache
 def is_known_memory_bound(func) -> bool:
+    """Ops that move memory and do little arithmetic per byte: pointwise and
+    reduction ops (by their tags), the backward of a view (``slice_backward``:
+    a zero-filled tensor with the gradient copied in), and the listed ones."""
     name = func.overloadpacket.__name__
     return (
         torch.Tag.pointwise in func.tags
+        or torch.Tag.reduction in func.tags
+        or _is_view_backward(name)
         or name in _MEMORY_BOUND
         or name.startswith("_foreach_")
         or name.rstrip("_") in _MEMORY_BOUND
     )
+
+
+def _is_view_backward(name: str) -> bool:
+    """Whether ``name`` is ``<view op>_backward`` (``slice_backward``, ``select_backward``, ...)."""
+    if not name.endswith("_backward"):
+        return False
+    forward = getattr(torch.ops.aten, name.removesuffix("_backward"), None)
+    overload = getattr(forward, "default", None) or next(
+        (getattr(forward, o) for o in (forward.overloads() if forward is not None else ())), None)
+    return overload is not None and is_view_op(overload)
 
 
 class CostModel:

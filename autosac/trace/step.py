@@ -20,14 +20,15 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from autosac.errors import NothingToCheckpointError, TraceError
 from autosac.inputs import split_inputs
-from autosac.integrations import training_kwargs
+from autosac.integrations import caches_off
+from autosac.loop import output_tensors
 from autosac.optim import OptimizerSpec, default_loss, make_optimizer
 from autosac.pystate import capture
 from autosac.stats import ParamStats
 from autosac.trace.autocast import target_autocast
 from autosac.trace.costs import CostModel
 from autosac.trace.dispatch import TargetDispatch
-from autosac.trace.recorder import SMALL_NUMEL, Recording, StepRecorder
+from autosac.trace.recorder import SMALL_NUMEL, Recording, StepRecorder, StorageRecord
 
 
 @dataclass
@@ -85,6 +86,7 @@ def trace_step(
     autocast: torch.dtype | None = None,
     compile_backend: str | None = None,
     small_values: bool = True,
+    output_held: bool = True,
 ) -> TracedStep:
     """Trace forward, loss, backward and optimizer step; return the raw recording.
 
@@ -94,7 +96,10 @@ def trace_step(
     code runs no module hooks).  ``small_values=False`` runs every op fake
     (by default ops on small real cpu tensors run for real, so code that reads
     their values branches as in the real step); a compiled step whose fused
-    kernels are skipped computes no values to read.
+    kernels are skipped computes no values to read.  ``output_held``: the
+    loop :mod:`autosac.loop` describes keeps the model's output alive to the
+    step's end and the previous step's until the forward returns (else the
+    output dies when the loss exists).
 
     The model and the example inputs are left exactly as they were: parameters
     and buffers are swapped back, and attributes the forward assigned (under
@@ -120,7 +125,8 @@ def trace_step(
         with _gc_paused(), _fake_tensor_log_quiet(), fake_parameters(model, mode, param_dtype), mode:
             # FSDP2's mixed precision casts floating inputs to param_dtype too
             args, kwargs = tree_map(lambda x: _trace_input(x, param_dtype), (real_args, real_kwargs))
-            once = (model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast, runner, small_values)
+            once = (model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast, runner, small_values,
+                    output_held)
             step = _trace_once(*once)
             if before.grew():
                 step = _trace_once(*once)
@@ -193,7 +199,7 @@ def _trace_input(x, dtype: torch.dtype | None = None):
 
 
 def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast=None,
-                compiled=None, small_values=True) -> TracedStep:
+                compiled=None, small_values=True, output_held=True) -> TracedStep:
     """One recorded step on a model whose parameters are already fake (run
     through ``compiled``, its ``torch.compile`` wrapper, when given)."""
     names = {id(m): fqn for fqn, m in model.named_modules()}
@@ -214,8 +220,13 @@ def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autoc
             hooks.append(mod.register_forward_pre_hook(_pre_hook(recorder, fqn), with_kwargs=True))
             hooks.append(mod.register_forward_hook(_post_hook(recorder, fqn)))
     try:
-        with _as_on_target(cost_model.spec, autocast):  # the user's forward and loss run under autocast
-            loss = _forward_and_loss(runner, args, kwargs, loss_fn, recorder)
+        # transformers models run without a cache, as the applied model will run them
+        with caches_off(model), _as_on_target(cost_model.spec, autocast):  # forward and loss under autocast
+            loss, out, forward_end = _forward_and_loss(runner, args, kwargs, loss_fn, recorder)
+        if output_held:
+            _hold_previous_output(recorder, out, forward_end)
+        else:
+            del out
         _backward_and_update(model, loss, opt, recorder)
     finally:
         for h in hooks:
@@ -263,23 +274,40 @@ def _track_new(recorder: StepRecorder, tensors, kind: str) -> int:
     return total
 
 
-def _forward_and_loss(model, args, kwargs, loss_fn, recorder: StepRecorder) -> torch.Tensor:
+def _forward_and_loss(model, args, kwargs, loss_fn, recorder: StepRecorder):
+    """Run forward and loss; return the loss, the model's output and the event
+    at which the forward returned."""
     with recorder, torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
         recorder.phase = "forward"
         out = _run_forward(model, args, kwargs, recorder)
+        forward_end = len(recorder.rec.ops)
         recorder.phase = "loss"
         try:
             loss = loss_fn(out)
         except Exception as e:
             raise TraceError(f"loss_fn raised {type(e).__name__}: {e}") from None
-        del out
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise TraceError("loss_fn must return a scalar tensor")
     if not loss.requires_grad:
         raise NothingToCheckpointError(
             "the loss does not require grad (the output is not differentiable): nothing to checkpoint"
         )
-    return loss
+    return loss, out, forward_end
+
+
+def _hold_previous_output(recorder: StepRecorder, out, forward_end: int) -> None:
+    """The previous step's output, alive in the loop's variable from the step's
+    start until this step's forward returns (:mod:`autosac.loop`): one record,
+    kind ``"output"``, per storage the forward made for its output."""
+    seen: set[int] = set()
+    for t in output_tensors(out):
+        i = recorder.index_of(t)
+        if i is None or i in seen:
+            continue
+        seen.add(i)
+        r = recorder.rec.storages[i]
+        if r.created >= 0 and r.nbytes > 0:  # made by this step, as the previous step made its own
+            recorder.rec.storages.append(StorageRecord(r.nbytes, "output", -1, freed=forward_end))
 
 
 def _backward_and_update(model, loss, opt, recorder: StepRecorder) -> None:
@@ -349,7 +377,6 @@ def _unique_bytes(tree) -> int:
 
 
 def _run_forward(model: nn.Module, args: tuple, kwargs: dict, recorder: StepRecorder):
-    kwargs = training_kwargs(model, kwargs) or kwargs  # as the applied model will run it
     try:
         return model(*args, **kwargs)
     except TraceError:
