@@ -70,16 +70,18 @@ def budgets(problem) -> list[tuple[str, int]]:
 
 def check_model(
     name, build, loss_fn=None, target=A100_CPU_KERNELS, labels=("70%", "50%", "least"), expect_warning: str | None = None,
-    optimizer="sgd", tolerance: float = TOLERANCE, autocast=None,
+    optimizer="sgd", tolerance: float = TOLERANCE, autocast=None, output_held: bool = True,
 ) -> list[Row]:
     """Plan ``build()``'s model at each budget; check every promise; return the table rows.
 
     ``build`` returns ``(model, inputs)`` with fixed weights (the same each call).
     The applied model must warn about nothing, or exactly once with a message
-    containing ``expect_warning``.
+    containing ``expect_warning``.  ``output_held``: the loop planned and
+    measured (:mod:`autosac.loop`).
     """
     model, inputs = build()
-    stats = autosac.profile(model, inputs, loss_fn=loss_fn, target=target, optimizer=optimizer, autocast=autocast)
+    stats = autosac.profile(model, inputs, loss_fn=loss_fn, target=target, optimizer=optimizer, autocast=autocast,
+                            output_held=output_held)
     problem = build_problem(stats)
     rows = []
     for label, budget in budgets(problem):
@@ -104,7 +106,7 @@ def check_model(
             fresh, inputs = build()
             autosac.apply(fresh, plan)
             measured = autosac.measure(fresh, inputs, loss_fn=loss_fn, steps=1, optimizer=optimizer,
-                                       autocast=autocast).peak_bytes
+                                       autocast=autocast, output_held=output_held).peak_bytes
         rows.append(Row(name, label, plan.budget_bytes, plan.predicted_peak_bytes, measured, True,
                         f"{len(plan.decisions)} modules"))
         assert measured <= plan.budget_bytes, (name, label, measured, plan.budget_bytes)

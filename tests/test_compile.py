@@ -114,18 +114,18 @@ def _compiled_measure(model, idx, plan):
 
 
 def test_a_plan_fitted_for_compile_keeps_the_budget_an_eager_plan_breaks_when_compiled():
-    """At 60 % the eager plan goes over its budget once compiled (dropout masks
+    """At 65 % the eager plan goes over its budget once compiled (dropout masks
     are saved under compile; the partitioner saves other tensors); the plan
     fitted to the compiled step keeps it, and its predicted peak is what the
     profiler's allocator events measure."""
     torch.manual_seed(0)
     model, idx = build_model("gpt2", device="cpu", batch=4, **FIT_CFG)
     stats = autosac.profile(model, idx, optimizer="sgd", target=A100_CPU_KERNELS)
-    eager_plan = autosac.solve(stats, "60%")
+    eager_plan = autosac.solve(stats, "65%")
     over = _compiled_measure(model, idx, eager_plan)
     assert over > eager_plan.budget_bytes, (over, eager_plan.budget_bytes)
 
-    plan = autosac.solve(model, "60%", idx, optimizer="sgd", target=A100_CPU_KERNELS, compile="aot_eager")
+    plan = autosac.solve(model, "65%", idx, optimizer="sgd", target=A100_CPU_KERNELS, compile="aot_eager")
     assert plan.compiled["backend"] == "aot_eager" and plan.compiled["rounds"] >= 1
     assert plan.budget_bytes == eager_plan.budget_bytes
     assert autosac.applier.applied_plan(model) is None  # the model is left as it was

@@ -268,3 +268,13 @@ def test_the_analysis_leaves_the_callers_rng_alone_and_rng_state_calls_keep_thei
     assert order == [n.name for n in gm.graph.nodes]
     a, b = better(torch.zeros(8))
     assert torch.equal(a, b)  # the state restored between the draws, as written
+
+
+def test_the_package_imports_schedule_as_the_readme_writes_it():
+    """``import autosac; autosac.schedule.memory_aware_backend`` in a fresh process."""
+    import subprocess
+    import sys
+
+    code = "import autosac; print(callable(autosac.schedule.memory_aware_backend))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr

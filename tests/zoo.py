@@ -76,7 +76,7 @@ def _transformers():
 def build_t5():
     """T5 encoder-decoder: relative position buckets, a decoder with a cache (``sdpa``)."""
     tf = _transformers()
-    # two layers each: with four, CBC takes the 20 s time limit on each budget (not a chain: no DP)
+    # two layers each: with four, each budget's CBC solve took ~20 s (an encoder-decoder is no chain: no DP)
     cfg = tf.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
                       num_heads=4, relative_attention_num_buckets=16, relative_attention_max_distance=32,
                       decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, use_cache=True,

@@ -25,12 +25,16 @@ are matched to the plan's :attr:`~autosac.plan.Decision.calls` by position:
   read and written, in the replay, in a copy of them as they were when the
   region started, and the Python state the forward started from is swapped in
   for the replay (:mod:`autosac.pystate`): recomputation never updates
-  anything twice.
+  anything twice.  PyTorch's SAC hands each cached output to one replay only;
+  a replay in a backward that retains the graph (``retain_graph=True``,
+  ``create_graph=True``) leaves the cache as it found it, so the next backward
+  replays from the same cached outputs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import sys
 import warnings
@@ -283,7 +287,7 @@ class RegionCall:
         if self.policy.plain:
             return contextlib.nullcontext(), _StateSwap(self)
         forward, recompute = create_selective_checkpoint_contexts(self.policy_fn, allow_cache_entry_mutation=True)
-        return _Nested(_Forward(self), forward), _Nested(_Replay(self), recompute)
+        return _Nested(_Forward(self), forward), _Nested(_Replay(self, recompute), recompute)
 
     def wrap(self, fn, args: tuple, kwargs: dict):
         """``fn`` with ``kwargs`` bound, and positional tensors that were one
@@ -322,18 +326,25 @@ class _Forward(TorchDispatchMode):
 
 class _Replay(TorchDispatchMode):
     """Entered once per replay: the forward's starting Python state is swapped
-    in for its duration, and the calls are counted from the start."""
+    in for its duration, the calls are counted from the start, and in a
+    backward that retains the graph SAC's cache is left as it was found."""
 
-    def __init__(self, call: RegionCall) -> None:
+    def __init__(self, call: RegionCall, recompute) -> None:
         super().__init__()
         self.call = call
+        # SAC's cache, shared by its two modes: per op, its calls' cached outputs
+        # (a dict by call index in torch >= 2.13, a list before)
+        self.cache = getattr(recompute, "storage", None)
         self.counts: dict[str, int] = defaultdict(int)
         self.local: dict = {}
         self.after: State | None = None
+        self.kept: list = []
 
     def __enter__(self):
         self.counts = defaultdict(int)
         self.local = {}
+        self.call.asked_again.clear()  # torch < 2.13 asks again in each replay, from the first call on
+        self.kept.append(_keep(self.cache))
         self.after = self.call.state.recapture()
         self.call.state.install()
         return super().__enter__()
@@ -342,12 +353,54 @@ class _Replay(TorchDispatchMode):
         try:
             return super().__exit__(*exc)
         finally:
+            _restore(self.cache, self.kept.pop())
             self.after.install()
             self.after = None
             self.local = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return self.call.replay_op(func, args, kwargs or {}, self.counts, self.local)
+
+
+def _keep(cache):
+    """SAC's cache as it is, where the backward about to replay retains the graph.
+
+    PyTorch's SAC hands each cached output to one replay only (it marks the
+    entry consumed, to free it early), so the next backward through a retained
+    graph would raise "Trying to backward an extra time".  A backward that
+    retains the graph keeps the region's saved tensors anyway: a copy of the
+    cache made of new aliases of the same tensors (no data copied), put back by
+    :func:`_restore` once the replay ended, lets the next backward replay from
+    the same outputs.  New aliases, as the replay gives autograd history to the
+    tensors it is handed, and a cached view handed out twice would refuse it.
+    A backward that frees the graph consumes the cache as PyTorch does: nothing
+    is held longer.  Outside a backward (Python reading a ``grad_fn``'s saved
+    tensor) the graph is kept, and so is the cache."""
+    if not cache or not torch._C._autograd._get_current_graph_task_keep_graph():
+        return None
+    return {key: _fresh(entries) for key, entries in cache.items()}
+
+
+def _fresh(entries):
+    """A copy of one op's cache entries (a dict by call index, or a list),
+    each cached tensor a new alias with no autograd history."""
+    def alias(leaf):
+        val = getattr(leaf, "val", None)  # SAC wraps each cached tensor with its version
+        if not isinstance(val, torch.Tensor):
+            return leaf
+        leaf = copy.copy(leaf)
+        leaf.val = val.detach()
+        return leaf
+
+    if isinstance(entries, dict):
+        return {i: tree_map(alias, e) for i, e in entries.items()}
+    return [tree_map(alias, e) for e in entries]
+
+
+def _restore(cache, kept) -> None:
+    if kept is not None:
+        cache.clear()
+        cache.update(kept)
 
 
 class _StateSwap:
