@@ -261,3 +261,25 @@ def test_gradient_sums_and_numbers_match_the_measured_peak_exactly(x_requires_gr
     stats = autosac.profile(model, x, optimizer="sgd", target="cpu")
     measured = autosac.measure(model, x, optimizer="sgd", steps=1).peak_bytes
     assert stats.peak_bytes == measured
+
+
+LOSSES = {
+    "mse": lambda out, y: torch.nn.functional.mse_loss(out, y),
+    "smooth_l1": lambda out, y: torch.nn.functional.smooth_l1_loss(out, y, reduction="sum"),
+    "soft_margin": lambda out, y: torch.nn.functional.soft_margin_loss(out, y.sign()),
+    "bce": lambda out, y: torch.nn.functional.binary_cross_entropy(out.sigmoid(), y.sigmoid()),
+}
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_reduced_loss_keeps_the_unreduced_storage(loss):
+    """These CPU losses return a 0-dim loss in the storage of the unreduced one
+    (the output's size), alive until the loss is dropped after backward: the
+    trace counts it as the real kernel makes it, and the peak is exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 256))
+    x, y = torch.randn(64, 16), torch.randn(64, 256)
+    loss_fn = lambda out: LOSSES[loss](out, y)  # noqa: E731
+    stats = autosac.profile(model, x, loss_fn=loss_fn, optimizer="sgd", target="cpu")
+    measured = autosac.measure(model, x, loss_fn=loss_fn, optimizer="sgd", steps=1).peak_bytes
+    assert stats.peak_bytes == measured

@@ -176,7 +176,7 @@ def test_the_planner_counts_downcast_gathers_as_fsdp2_holds_them(tmp_path):
     downcast = zero3.with_downcast_gather(stats)
     assert not stats.gathered_dtypes and len(downcast.gathered_dtypes) == 8 * 4
     everything = autosac.solve(downcast, "100%")  # nothing to checkpoint: the step as it is
-    planned = autosac.solve(downcast, "70%")
+    planned = autosac.solve(downcast, "75%")
     assert not everything.decisions and planned.decisions and planned.gathered_dtypes == downcast.gathered_dtypes
     assert everything.predicted_peak_bytes < autosac.solve(stats, "100%").predicted_peak_bytes
     for plan in (everything, planned):

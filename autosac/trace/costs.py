@@ -47,6 +47,9 @@ _MEMORY_BOUND = {
     "upsample_nearest2d", "upsample_nearest2d_backward", "upsample_bilinear2d", "upsample_bilinear2d_backward",
     "native_group_norm", "native_group_norm_backward", "hardswish", "hardswish_backward",
     "hardsigmoid", "hardsigmoid_backward", "index", "index_put", "slice_scatter", "select_scatter",
+    "_safe_softmax", "scalar_tensor", "softplus_backward", "as_strided_", "roll", "mse_loss", "mse_loss_backward",
+    "smooth_l1_loss", "smooth_l1_loss_backward", "huber_loss", "huber_loss_backward",
+    "binary_cross_entropy", "binary_cross_entropy_backward",
 }
 
 

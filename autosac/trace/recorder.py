@@ -151,15 +151,22 @@ def run_op(func, args, kwargs, made_in_trace=lambda t: False, fake_mode=None, sm
         return func(*args, **kwargs)
 
 
-# Kernels whose outputs the meta kernel sizes unlike the real one (oneDNN's
-# RNN workspace): their output sizes are read off a real call on zeros.
-REAL_SIZE_OPS = frozenset({"mkldnn_rnn_layer"})
+# Kernels whose outputs the meta kernel sizes unlike the real one: their output
+# sizes are read off a real call on zeros.  oneDNN's RNN workspace; and losses
+# whose reduced result is a 0-dim view of the input-sized elementwise loss the
+# kernel made (mse_loss(reduction="mean") of a 64 KiB input returns a scalar
+# holding 64 KiB, alive as long as the loss is: through backward).
+REAL_SIZE_OPS = frozenset({"mkldnn_rnn_layer", "mse_loss", "smooth_l1_loss", "huber_loss", "soft_margin_loss",
+                           "binary_cross_entropy"})
 # Kernels whose internal working memory depends on the kernel's own choices
 # (oneDNN's reorders in a convolution's backward; the CPU flash attention's
-# per-thread blocks): measured on a real call on zeros.
+# per-thread blocks), and losses that reduce an input-sized elementwise loss
+# they make inside the kernel (mse_loss(reduction="mean") of a 64 KiB input
+# peaks 128 KiB above its result on the CPU): measured on a real call on zeros.
 PROBE_SCRATCH_OPS = frozenset({
     "convolution_backward", "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "mse_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "soft_margin_loss",
 })
 # Matmuls in half precision (oneDNN converts and reorders blocks internally).
 _HALF_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm"})

@@ -1,0 +1,38 @@
+"""Plans on models nobody here wrote, in the loops people write around them.
+
+transformers T5, Whisper, Gemma 2, GPT-NeoX, DeBERTa-v2, Mamba, CLIP and GPT-2
+(bare, and inside the usual wrapper module whose ``forward`` returns
+``outputs.loss``), timm ConvNeXt, Swin and EfficientNet, and a diffusers
+UNet2DConditionModel (``tests/zoo.py`` builds them from configs).
+
+Each is planned for the default loop (``out = model(x)`` held through
+backward) at 70 %, 50 % and the least feasible budget, and for the loop that
+drops its output at the loss at the least budget, the tightest: one training
+step bitwise equal to the unmodified model's, the measured peak (the
+profiler's allocator events, in the same loop) within the budget and within
+3 % of the prediction.
+"""
+
+from __future__ import annotations
+
+import pytest
+from suite import check_model
+
+pytest.importorskip("transformers")
+zoo = pytest.importorskip("zoo")
+
+# the decoders whose training forward would build a cache nothing reads
+# (Mamba's config asks for one, though its training forward builds none)
+CACHED = {"t5", "whisper", "gemma2", "gpt-neox", "mamba", "gpt2"}
+NAMES = [*zoo.ZOO, *zoo.WRAPPED]
+LOOPS = [(name, True) for name in NAMES] + [(name, False) for name in NAMES]
+
+
+@pytest.mark.parametrize("name,held", LOOPS, ids=[f"{n}-{'held' if h else 'dropped'}" for n, h in LOOPS])
+def test_a_third_party_model_keeps_its_budget_and_its_step(name, held):
+    build, loss_fn = zoo.for_check(name)
+    cached = name.removeprefix("wrapped-") in CACHED
+    rows = check_model(name, build, loss_fn=loss_fn, output_held=held,
+                       labels=("70%", "50%", "least") if held else ("least",),
+                       expect_warning="use_cache=True" if cached else None)
+    assert any(r.bitwise for r in rows), rows  # at least one budget planned something
