@@ -1,11 +1,14 @@
 """The model suite's table: for every model the tests plan (transformers, timm,
-ordinary modules), at 70 %, 50 % and the least feasible budget: predicted and
-measured peak, the budget, and whether one training step stayed bitwise equal.
+diffusers, ordinary modules), at 70 %, 50 % and the least feasible budget:
+predicted and measured peak, the budget, and whether one training step stayed
+bitwise equal -- in both training loops (autosac.loop): ``held`` (``out =
+model(x)`` kept through backward, the default) and ``dropped`` (the output
+dies at the loss).
 
     python benchmarks/model_suite.py > benchmarks/results/model_suite.md
 
-Runs the same checks as ``tests/test_real_models.py`` and
-``tests/test_ordinary_modules.py`` (and fails the same way).
+Runs the same checks as ``tests/test_real_models.py``, ``tests/test_model_zoo.py``
+and ``tests/test_ordinary_modules.py`` (and fails the same way).
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
+import test_model_zoo  # noqa: E402
 import test_ordinary_modules as ordinary  # noqa: E402
 import test_real_models as real  # noqa: E402
 import torch  # noqa: E402
+import zoo  # noqa: E402
 from suite import check_model, seeded  # noqa: E402
 
 
@@ -39,6 +44,10 @@ def cases():
             torch.randn(16, 3, 96, 96))), {}
     except ImportError:
         pass
+    for name in [*zoo.ZOO, *zoo.WRAPPED]:
+        build, loss_fn = zoo.for_check(name)
+        cached = name.removeprefix("wrapped-") in test_model_zoo.CACHED
+        yield name, build, dict(loss_fn=loss_fn, expect_warning="use_cache=True" if cached else None)
     for name, (build, tol) in ordinary.CASES.items():
         yield name, seeded(build), dict(tolerance=tol)
     yield "shared-block", seeded(lambda: (ordinary.SharedBlock(), torch.randn(1024, 16))), {}
@@ -48,17 +57,22 @@ def cases():
 def main() -> None:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    print("| model | budget | budget bytes | predicted | measured | error | bitwise | plan |")
-    print("|---|---|---:|---:|---:|---:|---|---|")
+    only = set(sys.argv[1:])  # model names to run (default: all)
+    print("| model | loop | budget | budget bytes | predicted | measured | error | bitwise | plan |")
+    print("|---|---|---|---:|---:|---:|---:|---|---|")
     for name, build, kwargs in cases():
-        for r in check_model(name, build, **kwargs):
-            if r.predicted is None:
-                print(f"| {name} | {r.budget} | {r.budget_bytes:,} | - | - | - | - | {r.note} |")
-                continue
-            err = (r.predicted - r.measured) / r.measured
-            print(f"| {name} | {r.budget} | {r.budget_bytes:,} | {r.predicted:,} | {r.measured:,} | {err:+.2%} "
-                  f"| {'yes' if r.bitwise else 'NO'} | {r.note} |")
-        sys.stdout.flush()
+        if only and name not in only:
+            continue
+        for held in (True, False):
+            loop = "held" if held else "dropped"
+            for r in check_model(name, build, output_held=held, **kwargs):
+                if r.predicted is None:
+                    print(f"| {name} | {loop} | {r.budget} | {r.budget_bytes:,} | - | - | - | - | {r.note} |")
+                    continue
+                err = (r.predicted - r.measured) / r.measured
+                print(f"| {name} | {loop} | {r.budget} | {r.budget_bytes:,} | {r.predicted:,} | {r.measured:,} "
+                      f"| {err:+.2%} | {'yes' if r.bitwise else 'NO'} | {r.note} |")
+            sys.stdout.flush()
 
 
 if __name__ == "__main__":
