@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from autosac.host import HostCosts
+
 TFLOPS = 1e12
 TBPS = 1e12
 GIB = 1 << 30
@@ -28,6 +30,10 @@ class DeviceSpec:
     (``"cuda"``: dropout and attention as CUDA runs them, see
     :mod:`autosac.trace.dispatch`; ``"cpu"``: as the CPU does) and
     ``capability`` the CUDA compute capability that picks attention kernels.
+    ``host``: what the host running Python spends per op and what
+    checkpointing adds (:class:`autosac.host.HostCosts`); ``None`` measures
+    the machine that profiles (:func:`autosac.host.calibrate`) -- state
+    another host's figures when planning for it from elsewhere.
 
     Example::
 
@@ -45,6 +51,7 @@ class DeviceSpec:
     measured: bool = False
     device_type: str = "cuda"
     capability: tuple[int, int] = (9, 0)
+    host: HostCosts | None = None
 
     def peak_flops(self, dtype: torch.dtype) -> float:
         """Dense FLOP/s for ``dtype``; float32 figures stand in for unknown dtypes."""
@@ -61,6 +68,8 @@ class DeviceSpec:
         data = dict(data)
         if "capability" in data:
             data["capability"] = tuple(data["capability"])
+        if isinstance(data.get("host"), dict):
+            data["host"] = HostCosts(**data["host"])
         return cls(**data)
 
 

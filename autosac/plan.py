@@ -63,6 +63,7 @@ class Decision:
     save: list[int] = field(default_factory=list)
     skip: list[int] = field(default_factory=list)
     writes_outside: bool = True
+    mechanism_ms: float = 0.0  # of recompute_ms: what the checkpointing machinery costs the host (autosac.host)
 
 
 @dataclass
@@ -105,6 +106,9 @@ class Plan:
     compiled: dict = field(default_factory=dict)
     # the loop it is made for (autosac.loop): True = `out = model(x)` held through backward, False = dropped
     output_held: bool = True
+    mechanism_ms: float = 0.0  # of recompute_ms: what the checkpointing machinery costs the host (autosac.host)
+    # the traced step saved parameter casts (autocast's weight copies): apply keeps them from being saved
+    param_casts: bool = True
     format: int = PLAN_FORMAT
 
     @property

@@ -63,6 +63,10 @@ def pareto_plot(result, path: str | None = None, ax=None):
         if f.measured_overhead is not None:
             ax.plot([f.peak_bytes / scale], [100 * f.measured_overhead], "^", mfc="none", color="C3",
                     label="every block (measured)")
+    t = result.torch_checkpoint
+    if t is not None:
+        ax.plot([t.measured_peak_bytes / scale], [100 * t.measured_overhead], "v", mfc="none", color="C1",
+                label="torch.utils.checkpoint, every block (measured)")
     if result.least_peak_bytes is not None:
         ax.axvline(result.least_peak_bytes / scale, ls="--", color="0.5",
                    label=f"least feasible budget {result.least_peak_bytes / scale:.2f} {unit}")

@@ -19,6 +19,7 @@ fake mode (a lazily built cache, say) do not outlive the profile.
 
 from __future__ import annotations
 
+import operator
 import types
 from collections import OrderedDict
 
@@ -52,7 +53,8 @@ class State:
                 obj[:] = copy
             else:
                 target = obj if isinstance(obj, dict) else obj.__dict__
-                if target.keys() != copy.keys() or any(target[k] is not v for k, v in copy.items()):
+                # by identity, in C (values compared in order: a reordered dict is rewritten, as it should be)
+                if target.keys() != copy.keys() or any(map(operator.is_not, target.values(), copy.values())):
                     target.clear()
                     target.update(copy)
 
@@ -102,33 +104,58 @@ def capture(module: nn.Module, args: tuple, kwargs: dict) -> State:
     others = 0
     while todo and others < _MAX_OBJECTS:
         obj = todo.pop()
-        if type(obj) in _PLAIN_CONTAINERS and not obj:  # (hook tables) the same container twice is harmless
+        kind = _KINDS.get(type(obj)) or _kind_of(type(obj))
+        if kind is _SKIP:
+            continue
+        if kind is _PLAIN and not obj:  # (hook tables) the same container twice is harmless
             empty.append(obj)
             continue
-        if id(obj) in seen or isinstance(obj, _ATOMS) or _torch_internal(obj):
+        if id(obj) in seen:
             continue
         seen.add(id(obj))
         others += 1
-        if isinstance(obj, (list, dict)):
+        if kind is _PLAIN or kind is _LISTDICT:
             saved.append((obj, _contents(obj)))
             items = list(obj if isinstance(obj, list) else obj.values())
-        elif isinstance(obj, tuple):
+        elif kind is _TUPLE:
             items = list(obj)
         elif isinstance(getattr(obj, "__dict__", None), dict):
             saved.append((obj, _contents(obj)))
-            items = [] if isinstance(obj, nn.Module) else list(obj.__dict__.values())
+            items = [] if kind is _MODULE else list(obj.__dict__.values())
         else:
             items = []
         todo.extend(reversed(items))
     return State(saved, empty)
 
 
-def _torch_internal(obj) -> bool:
+# What capture does with an object, decided once per type (a dict lookup per
+# value instead of isinstance checks: capture runs at every checkpointed call).
+_SKIP, _PLAIN, _LISTDICT, _TUPLE, _MODULE, _OBJECT = "skip", "plain", "listdict", "tuple", "module", "object"
+_KINDS: dict[type, str] = {}
+
+
+def _kind_of(kind: type) -> str:
+    if kind in _PLAIN_CONTAINERS:
+        found = _PLAIN
+    elif issubclass(kind, _ATOMS) or _torch_internal_type(kind):
+        found = _SKIP
+    elif issubclass(kind, (list, dict)):
+        found = _LISTDICT
+    elif issubclass(kind, tuple):
+        found = _TUPLE
+    elif issubclass(kind, nn.Module):
+        found = _MODULE
+    else:
+        found = _OBJECT
+    _KINDS[kind] = found
+    return found
+
+
+def _torch_internal_type(kind: type) -> bool:
     """PyTorch's own bookkeeping objects (FSDP2's per-module state, hook
     handles, DTensor specs): not user state, and copying their attributes would
     keep alive what they release -- FSDP2's gathered parameters after a
     forward, say.  Modules are captured on their own."""
-    kind = type(obj)
     internal = _INTERNAL.get(kind)
     if internal is None:
         internal = _INTERNAL[kind] = (not issubclass(kind, nn.Module)
@@ -136,7 +163,7 @@ def _torch_internal(obj) -> bool:
     return internal
 
 
-_INTERNAL: dict[type, bool] = {}  # per type: one of PyTorch's own (see _torch_internal)
+_INTERNAL: dict[type, bool] = {}  # per type: one of PyTorch's own (see _torch_internal_type)
 
 
 def _contents(obj):

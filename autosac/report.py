@@ -32,7 +32,7 @@ def plan_table(plan) -> str:
            f"{format_bytes(plan.compiled.get('eager_peak_bytes', 0))}" if plan.compiled else ""),
         f"budget           {format_bytes(plan.budget_bytes)}",
         f"recompute        {plan.recompute_ms:.2f} ms on a {plan.baseline_step_ms:.2f} ms step "
-        f"(+{plan.overhead:.1%})",
+        f"(+{plan.overhead:.1%}), of which checkpointing machinery {plan.mechanism_ms:.2f} ms",
         f"solver           {s.get('backend')} {s.get('status')}, gap {_gap(s.get('gap'))}, "
         f"{s.get('seconds') or 0:.2f} s",
     ]
@@ -73,6 +73,11 @@ def sweep_table(result) -> str:
     if result.full_ac is not None:
         out.append(_row("every block", result.full_ac, measured) + (f"  {'-':>4}" if measured else "")
                    + f"  {result.full_ac.status}")
+    t = result.torch_checkpoint
+    if t is not None:
+        out.append(f"{'torch ckpt':>11}  {'-':>12}  {'-':>11}  {'-':>8}  {t.modules:>7}  "
+                   f"{format_bytes(t.measured_peak_bytes):>13}  {t.measured_overhead:>12.1%}  {'-':>4}"
+                   "  torch.utils.checkpoint of every block, measured")
     none_row = f"{'none':>11}  {format_bytes(result.baseline_peak_bytes):>12}  {0.0:>8.2f} ms  {0.0:>8.1%}  {0:>7}"
     if measured:
         none_row += f"  {format_bytes(result.measured_baseline_peak_bytes):>13}  {0.0:>12.1%}  {'-':>4}"

@@ -108,6 +108,8 @@ class ModuleStats:
     discardable_bytes: int = 0
     tradeoff: list[list[float]] = field(default_factory=list)
     tradeoff_exact_points: int = 0
+    # per forward call: tensors autograd saved inside it (each costs a checkpoint's hooks, autosac.host)
+    saved_tensors: list[int] = field(default_factory=list)
 
     @property
     def is_leaf(self) -> bool:

@@ -54,7 +54,9 @@ class Sweep:
     ``full_ac`` is the plan that recomputes every block of ``blocks`` whole
     (``torch.utils.checkpoint`` around each), predicted by the same model;
     ``least_peak_bytes`` the least peak any plan reaches (None if the solver
-    found none in time)."""
+    found none in time).  :func:`measure_sweep` fills the measured figures
+    and ``torch_checkpoint``: ``torch.utils.checkpoint`` itself around every
+    block, measured in the same run (no prediction)."""
 
     model: str
     target: str
@@ -65,6 +67,7 @@ class Sweep:
     blocks: list[str] = field(default_factory=list)
     full_ac: SweepPoint | None = None
     measured_baseline_peak_bytes: int | None = None
+    torch_checkpoint: SweepPoint | None = None
 
 
 def repeated_blocks(stats: ModelStats) -> list[str]:
@@ -156,7 +159,9 @@ def _point(plan: Plan, budget: int) -> SweepPoint:
 def measure_sweep(result: Sweep, model, example_inputs, *, steps: int = 2, optimizer: str | None = None) -> Sweep:
     """Run each point's plan for real on this machine (a copy of ``model`` per
     plan) and fill its ``measured_peak_bytes`` and ``measured_overhead`` (step
-    time over the unmodified model's, measured in the same call).
+    time over the unmodified model's, measured in the same call); and measure
+    ``torch.utils.checkpoint`` (non-reentrant) around every block, the usual
+    alternative, as ``result.torch_checkpoint``.
 
     Args:
         result: from :func:`sweep` on this model's profile.
@@ -183,4 +188,23 @@ def measure_sweep(result: Sweep, model, example_inputs, *, steps: int = 2, optim
                       output_held=held)
         point.measured_peak_bytes = got.peak_bytes
         point.measured_overhead = got.step_ms / base.step_ms - 1
+    if result.blocks:
+        got = measure(_torch_checkpointed(model, result.blocks), example_inputs, steps=steps, optimizer=opt,
+                      output_held=held)
+        result.torch_checkpoint = SweepPoint(got.peak_bytes, status="torch.utils.checkpoint",
+                                             modules=len(result.blocks), measured_peak_bytes=got.peak_bytes,
+                                             measured_overhead=got.step_ms / base.step_ms - 1)
     return result
+
+
+def _torch_checkpointed(model, blocks: list[str]):
+    """A copy of ``model`` with ``torch.utils.checkpoint`` (non-reentrant) around each of ``blocks``."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    twin = copy.deepcopy(model)
+    for fqn in blocks:
+        block = twin.get_submodule(fqn)
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    return twin

@@ -1,15 +1,23 @@
-"""Per-op Python cost of an applied plan, on this CPU: the built-in GPT (and
-Llama) at width 64, where op time is negligible and a step is almost all
-dispatch.  Variants measured in turn, rounds interleaved, medians:
+"""Step time of plans against the alternatives, on this CPU, side by side in one
+run: where a step is almost all dispatch (the built-in GPT or Llama at width
+64) and where it is compute (the benchmark GPT, 6 x 512).
 
-  none                 the unmodified model
-  torch ckpt           torch.utils.checkpoint of every block
-  torch sac            torch's selective checkpointing of every block, recompute everything
-  autosac              autosac's least-peak plan (selective where it saves calls)
-  all-recompute plain  the same modules recomputed whole: the plain path (no dispatch mode)
-  all-recompute modes  the same, forced through the selective path (as a module writing outside would be)
+Variants, measured in turn with rounds interleaved (medians of the timed steps):
 
-    python benchmarks/bench_dispatch_overhead.py [gpt2|llama-tiny] [rounds]
+  none                  the unmodified model (where it fits the budget)
+  torch ckpt            torch.utils.checkpoint of every block
+  torch sac matmuls     torch's selective checkpointing of every block, matmuls and attention saved
+  autosac <budget>      autosac's plan for 90 %, 70 %, 50 % and the least feasible budget
+
+Each row gives the measured peak (profiler allocator events, the held-output
+loop autosac plans for, no optimizer) and whether it is within the budget,
+the step time and its ratio to the unmodified step, and for autosac's plans
+the predicted overhead (recompute and checkpointing machinery, the host costs
+calibrated on this machine: autosac.host) beside the measured one.  Under each
+budget: autosac against torch ckpt, and against the fastest variant within
+that budget.
+
+    python benchmarks/bench_dispatch_overhead.py [gpt2|llama-tiny|gpt2-512] [rounds]
 """
 
 from __future__ import annotations
@@ -27,16 +35,32 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 import autosac
 from autosac.models import build_model
 from autosac.optim import default_loss
-from autosac.solver import least_peak, solve_stats
-from autosac.solver.problem import build_problem
+
+CONFIGS = {
+    "gpt2": ("gpt2", dict(n_layer=6, dim=64, n_head=4, seq=64, vocab=128, batch=2)),
+    "llama-tiny": ("llama-tiny", dict(n_layer=6, dim=64, n_head=4, seq=64, vocab=128, batch=2, n_kv_head=4,
+                                      ffn_hidden=128)),
+    "gpt2-512": ("gpt2", dict(n_layer=6, dim=512, n_head=8, seq=512, vocab=4096, batch=4, dropout=0.0)),
+}
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+            torch.ops.aten.baddbmm.default, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+            torch.ops.aten._scaled_dot_product_efficient_attention.default}
 
 
-def _recompute_all(ctx, func, *args, **kwargs):
-    return CheckpointPolicy.PREFER_RECOMPUTE
+def _save_matmuls(ctx, func, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if func in _MATMULS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _blocks(m):
     return m.blocks if hasattr(m, "blocks") else m.layers
+
+
+def _wrapped(model, context_fn=None):
+    m = copy.deepcopy(model)
+    for b in _blocks(m):
+        kw = {"context_fn": context_fn} if context_fn else {}
+        b.forward = functools.partial(checkpoint, b.forward, use_reentrant=False, **kw)
+    return m
 
 
 def main() -> None:
@@ -44,48 +68,74 @@ def main() -> None:
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 8
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    cfg = dict(n_layer=6, dim=64, n_head=4, seq=64, vocab=128, batch=2)
-    if name.startswith("llama"):
-        cfg.update(n_kv_head=4, ffn_hidden=128)
+    builder, cfg = CONFIGS[name]
     torch.manual_seed(0)
-    model, idx = build_model(name, device="cpu", **cfg)
+    model, idx = build_model(builder, device="cpu", **cfg)
+    stats = autosac.profile(model, idx, target="cpu", optimizer="none")
+    plans = {}
+    for budget in ("90%", "70%", "50%", "least"):
+        try:
+            plans[budget] = autosac.solve(stats, budget)
+        except autosac.InfeasibleBudgetError:
+            pass
+    variants = {"none": model, "torch ckpt": _wrapped(model),
+                "torch sac matmuls": _wrapped(model, functools.partial(create_selective_checkpoint_contexts,
+                                                                        _save_matmuls))}
+    for budget, plan in plans.items():
+        variants[f"autosac {budget}"] = autosac.apply(copy.deepcopy(model), plan)
+    peaks = {k: autosac.measure(m, idx, steps=1, optimizer="none").peak_bytes for k, m in variants.items()}
+    times = _timed(variants, idx, rounds)
+    base = times["none"]
+    host = stats.target["host"]
+    print(f"{name} {cfg}, {rounds} rounds of 5 steps; host costs {host}")
+    print(f"predicted unmodified step {stats.step_ms:.2f} ms, measured {base:.2f} ms\n")
+    print("| variant | peak MiB | step ms | x none | predicted overhead | measured overhead | plan |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for k, t in times.items():
+        plan = plans.get(k.removeprefix("autosac ")) if k.startswith("autosac") else None
+        pred = f"{plan.overhead:+.1%}" if plan else "-"
+        what = "-"
+        if plan:
+            sel = sum(1 for d in plan.details.values() if d.save or d.writes_outside)
+            what = f"{len(plan.decisions)} modules, {sel} selective; machinery {plan.mechanism_ms:.2f} ms"
+        print(f"| {k} | {peaks[k] / 2**20:.2f} | {t:.2f} | {t / base:.2f} | {pred} | {t / base - 1:+.1%} | {what} |")
+    print()
+    for budget, plan in plans.items():
+        ours = times[f"autosac {budget}"]
+        within = {k: t for k, t in times.items() if peaks[k] <= plan.budget_bytes and not k.startswith("autosac")}
+        best = min(within.items(), key=lambda kv: kv[1]) if within else None
+        kept = peaks[f"autosac {budget}"] <= plan.budget_bytes
+        line = (f"{budget} (budget {plan.budget_bytes / 2**20:.2f} MiB, kept: {'yes' if kept else 'NO'}): autosac "
+                f"{ours:.2f} ms, {ours / times['torch ckpt']:.2f}x torch ckpt")
+        if best:
+            line += f", {ours / best[1]:.2f}x the fastest alternative within the budget ({best[0]})"
+        else:
+            line += ", no alternative within the budget"
+        err = plan.overhead - (ours / base - 1)
+        line += f"; overhead predicted {plan.overhead:+.1%}, measured {ours / base - 1:+.1%} ({err:+.1%} points)"
+        print(line)
+
+
+def _timed(variants: dict, idx, rounds: int) -> dict[str, float]:
+    held = []
 
     def step(m):
-        default_loss(m(idx)).backward()
+        out = m(idx)
+        held[:] = [out]  # the loop autosac plans for: the output kept through backward
+        default_loss(out).backward()
         m.zero_grad(set_to_none=True)
 
-    ck, sac = copy.deepcopy(model), copy.deepcopy(model)
-    for b in _blocks(ck):
-        b.forward = functools.partial(checkpoint, b.forward, use_reentrant=False)
-    for b in _blocks(sac):
-        b.forward = functools.partial(checkpoint, b.forward, use_reentrant=False, context_fn=functools.partial(
-            create_selective_checkpoint_contexts, _recompute_all))
-    stats = autosac.profile(model, idx, target="cpu")
-    problem = build_problem(stats)
-    plan = solve_stats(stats, least_peak(problem)[0], problem=problem)
-    whole, forced = copy.deepcopy(plan), copy.deepcopy(plan)
-    for d in whole.details.values():
-        d.save = []
-    for d in forced.details.values():
-        d.save, d.writes_outside = [], True
-    variants = [("none", model), ("torch ckpt", ck), ("torch sac", sac),
-                ("autosac", autosac.apply(copy.deepcopy(model), plan)),
-                ("all-recompute plain", autosac.apply(copy.deepcopy(model), whole)),
-                ("all-recompute modes", autosac.apply(copy.deepcopy(model), forced))]
-    times: dict[str, list[float]] = {label: [] for label, _ in variants}
+    samples: dict[str, list[float]] = {k: [] for k in variants}
+    for m in variants.values():
+        step(m)
     for _ in range(rounds):
-        for label, m in variants:
+        for k, m in variants.items():
             step(m)
-            for _ in range(10):
+            for _ in range(5):
                 t = time.perf_counter()
                 step(m)
-                times[label].append(time.perf_counter() - t)
-    base = statistics.median(times["none"])
-    print(f"{name} {cfg}: plan checkpoints {len(plan.decisions)} modules "
-          f"({sum(1 for d in plan.details.values() if d.save)} selectively)")
-    for label, ts in times.items():
-        t = statistics.median(ts)
-        print(f"  {label:20s} {t * 1e3:7.2f} ms  {t / base:.2f}x")
+                samples[k].append((time.perf_counter() - t) * 1e3)
+    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 if __name__ == "__main__":

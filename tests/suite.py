@@ -14,15 +14,17 @@ import torch
 import autosac
 from autosac.budget import parse_budget
 from autosac.devices import DEVICES
+from autosac.host import HostCosts
 from autosac.inputs import split_inputs
 from autosac.optim import default_loss
 from autosac.solver import least_peak, solve_stats
 from autosac.solver.problem import build_problem
 
 TOLERANCE = 0.03
-# An A100's roofline with the CPU's kernels: deterministic times, and a plan
-# that names the ops these CPU tests run (a plan for "a100" names CUDA's).
-A100_CPU_KERNELS = replace(DEVICES["a100"], name="a100-cpu-kernels", device_type="cpu")
+# An A100's roofline with the CPU's kernels: deterministic times (no host costs:
+# those are measured on the machine, autosac.host), and a plan that names the
+# ops these CPU tests run (a plan for "a100" names CUDA's).
+A100_CPU_KERNELS = replace(DEVICES["a100"], name="a100-cpu-kernels", device_type="cpu", host=HostCosts())
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Plan JSON, its errors, and the command line (through its real entry point)."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -8,6 +9,7 @@ import pytest
 
 import autosac
 from autosac.cli import main
+from autosac.host import HostCosts
 from autosac.models import build_model
 from autosac.plan import Plan
 
@@ -126,6 +128,7 @@ def test_sweep_measured_keeps_each_budget_and_plots(tmp_path):
     is written."""
     pytest.importorskip("matplotlib")
     from autosac.plot import pareto_plot
+    from autosac.report import sweep_table
     from autosac.sweep import measure_sweep, repeated_blocks, sweep
 
     model, idx = build_model("seed-transformer", n_layer=3, seq=96, device="cpu")
@@ -139,6 +142,12 @@ def test_sweep_measured_keeps_each_budget_and_plots(tmp_path):
         assert p.measured_peak_bytes <= p.budget_bytes or p is result.full_ac, (p.measured_peak_bytes, p.budget_bytes)
         assert abs(p.measured_peak_bytes - p.peak_bytes) <= 0.01 * p.measured_peak_bytes
     assert abs(result.measured_baseline_peak_bytes - result.baseline_peak_bytes) <= 0.01 * result.baseline_peak_bytes
+    # torch.utils.checkpoint itself around every block, measured in the same run: the peak the
+    # prediction of checkpointing every block names
+    ckpt = result.torch_checkpoint
+    assert ckpt.modules == 3 and ckpt.measured_overhead is not None
+    assert abs(ckpt.measured_peak_bytes - result.full_ac.peak_bytes) <= 0.01 * ckpt.measured_peak_bytes
+    assert "torch.utils.checkpoint of every block, measured" in sweep_table(result)
     pareto_plot(result, tmp_path / "pareto.png")
     assert (tmp_path / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     pareto_plot(result, tmp_path / "pareto.svg")
@@ -378,7 +387,9 @@ def test_hf_models_are_built_from_their_config_on_meta_and_planned(name, capsys)
 
 def test_the_plan_table_lists_modules_in_model_order_and_names_where_ops_ran():
     model, idx = build_model("gpt2", device="meta", batch=8, n_layer=12, dim=128, n_head=4, seq=256, vocab=512)
-    plan = autosac.solve(model, "50%", idx)
+    # kernels alone (no host costs, which this machine's calibration sets): the same plan in every run
+    h100 = dataclasses.replace(autosac.DEVICES["h100"], host=HostCosts())
+    plan = autosac.solve(model, "50%", idx, target=h100)
     rows = [line.split()[0] for line in str(plan).splitlines()[1:] if line.startswith("blocks.")]
     assert len(rows) >= 11 and rows.index("blocks.2") < rows.index("blocks.10")
     assert rows == sorted(rows, key=lambda f: int(f.split(".")[1]))

@@ -178,8 +178,11 @@ def _enter_model(module, args, kwargs):
         _check_shapes(state, input_signature(args, kwargs))
     if state is not None and torch.is_grad_enabled():
         _check_device(state, module)
-    ctx = torch.autograd.graph.saved_tensors_hooks(pack_cast, unpack_cast)
-    ctx.__enter__()
+    # the cast hook sees every tensor the model saves: only where the traced step saved casts
+    casts = state is None or state["plan"].param_casts
+    ctx = torch.autograd.graph.saved_tensors_hooks(pack_cast, unpack_cast) if casts else None
+    if ctx is not None:
+        ctx.__enter__()
     module.__dict__.setdefault(_CAST_CTX, []).append(ctx)
     return None
 
@@ -203,7 +206,9 @@ def _no_cache(module, args, kwargs):
 def _exit_model(module, args, output):
     stack = module.__dict__.get(_CAST_CTX)
     if stack:
-        stack.pop().__exit__(None, None, None)
+        ctx = stack.pop()
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
 
 
 def _check_device(state: dict, module) -> None:

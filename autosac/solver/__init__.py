@@ -290,6 +290,7 @@ def _make_plan(stats: ModelStats, problem: Problem, choice: dict[int, int], budg
         device=stats.target.get("device_type", ""), autocast=stats.autocast,
         sharding=describe_units(stats) if stats.world_size > 1 else "",
         gathered_dtypes=dict(stats.gathered_dtypes), output_held=stats.output_held,
+        mechanism_ms=problem.mechanism_ms(choice), param_casts=any(op.param_cast for op in stats.saved_ops),
     )
 
 
@@ -333,7 +334,7 @@ def _decision(stats: ModelStats, cand, k: int) -> Decision:
         fqn=cand.fqn, ratio=min(1.0, cand.discarded[k - 1] / cand.discardable_bytes),
         discard_bytes=cand.discarded[k - 1], discardable_bytes=cand.discardable_bytes,
         recompute_ms=cand.ms[k - 1], ops=ops, calls=calls, save=sorted(save), skip=sorted(skip),
-        writes_outside=stats.modules[cand.fqn].writes_outside,
+        writes_outside=stats.modules[cand.fqn].writes_outside, mechanism_ms=cand.mechanism[k - 1],
     )
 
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from autosac.solver.replay import ModuleReplay, order_items
+from autosac.host import HostCosts
+from autosac.solver.replay import ModuleReplay, order_items, saved_inside
 from autosac.solver.sharding import sharded_live
 from autosac.stats import ModelStats
 
@@ -45,7 +46,8 @@ class Candidate:
     bw_end: int
     bytes: list[int]  # per choice k (k = 1..K): net bytes saved, > 0
     discarded: list[int]  # per choice: activation bytes discarded
-    ms: list[float]  # per choice: recompute ms, fixed part included
+    ms: list[float]  # per choice: recompute ms, fixed part included, the mechanism's too
+    mechanism: list[float]  # per choice: what the checkpointing machinery adds (in ``ms``)
     n_items: list[int]  # per choice: how many of ``items`` are discarded
     items: list[list[int]]  # groups of saved op ids discarded together, cheapest ms/byte first
     discardable_bytes: int
@@ -122,7 +124,12 @@ class Problem:
         return replace(self, shared=[])
 
     def recompute_ms(self, choice: dict[int, int]) -> float:
+        """Time a plan adds to the step: recomputation and checkpointing machinery."""
         return self.always_ms + sum(self.candidates[i].ms[k - 1] for i, k in choice.items())
+
+    def mechanism_ms(self, choice: dict[int, int]) -> float:
+        """The part of :meth:`recompute_ms` the checkpointing machinery costs."""
+        return sum(self.candidates[i].mechanism[k - 1] for i, k in choice.items())
 
 
 def _choice_indices(cum_bytes: np.ndarray, cum_ms: np.ndarray, max_choices: int) -> list[int]:
@@ -298,6 +305,29 @@ def _recompute_extra(stats: ModelStats, m, items: list[list[int]], picks: list[i
     return out
 
 
+def _mechanism(stats: ModelStats, m, fqn: str, window, op_ids: list[int], n_items: int, picks: list[int],
+               host: HostCosts, events: list[int]) -> tuple[list[float], float | None]:
+    """Per choice, what checkpointing one call of ``fqn`` costs the host
+    (:mod:`autosac.host`), and the recompute time of the choice that discards
+    everything when it runs plainly (None when it cannot).
+
+    A choice that discards every saved op of the module, in a module that
+    writes nothing made outside it, is checkpointed plainly (the applier's
+    plain path): the call's mechanism (per call and per tensor it saves) and
+    its whole forward re-run.  Any other choice is selective: the same, plus
+    the dispatch modes' cost on every op call of the forward, there and again
+    in the replay.  ``events``: the saved ops' events (they are in event order)."""
+    ids = set(op_ids)
+    inside = stats.saved_ops[bisect.bisect_left(events, window[0]) : bisect.bisect_left(events, window[1])]
+    kept_anyway = any(not op.param_cast and op.id not in ids and saved_inside(op.savers, fqn) for op in inside)
+    can_be_plain = not m.writes_outside and not kept_anyway
+    ops = window[1] - window[0]
+    saved = m.saved_tensors[0] if m.saved_tensors else 0  # the first call's; the calls run alike
+    mechanism = [host.checkpoint_ms(saved, ops, selective=not (can_be_plain and k == n_items)) for k in picks]
+    whole_ms = float(sum(stats.timeline.ms[window[0] : window[1]])) if can_be_plain else None
+    return mechanism, whole_ms
+
+
 def _calls(stats: ModelStats, m) -> list[tuple[list[int], list[int]]] | None:
     """``(forward window, backward span)`` of each call of module ``m``, or None
     when it cannot be a checkpoint region: a call without a backward, a backward
@@ -389,6 +419,9 @@ def build_problem(stats: ModelStats, max_choices: int = 16, keep_random: bool = 
     take the same choice: every call is a checkpoint region with the same policy.
     """
     live = _adjusted_live(stats)
+    # what checkpointing costs the host; under torch.compile (keep_random) the machinery is compiled away
+    host = HostCosts(**stats.target["host"]) if stats.target.get("host") and not keep_random else HostCosts()
+    events = [op.event for op in stats.saved_ops]
     orders: dict = {}  # identical layers share their discard order
     replay_casts = _ReplayCasts(stats)
     candidates: list[Candidate] = []
@@ -409,6 +442,9 @@ def build_problem(stats: ModelStats, max_choices: int = 16, keep_random: bool = 
         cum_t = np.asarray(costs)
         cum_first = np.cumsum([sum(stats.saved_ops[i].bytes for i in it) for it in items])
         picks = _choice_indices(cum_first, cum_t, max_choices)
+        mechanism, whole_ms = _mechanism(stats, m, fqn, first, op_ids, len(items), picks, host, events)
+        if keep_random:  # compiled regions recompute what their graph needs: no plain path
+            whole_ms = None
         group = []
         for j, (window, span) in enumerate(calls):
             mine = items if j == 0 else _mapped_items(stats, items, first, window)
@@ -426,7 +462,9 @@ def build_problem(stats: ModelStats, max_choices: int = 16, keep_random: bool = 
             casts = replay_casts(window)
             group.append(Candidate(
                 fqn=fqn, start=window[1], end=span[0], bw_end=span[1], bytes=net,
-                discarded=[int(cum_b[k - 1]) for k in picks], ms=[float(cum_t[k - 1]) for k in picks],
+                discarded=[int(cum_b[k - 1]) for k in picks],
+                ms=[(whole_ms if whole_ms is not None and k == len(items) else float(cum_t[k - 1])) + mech
+                    for k, mech in zip(picks, mechanism)], mechanism=list(mechanism),
                 n_items=list(picks), items=mine, discardable_bytes=int(cum_b[-1]), hold=hold + casts,
                 # the replay also works on its own copy of what the call writes outside itself;
                 # its parameter casts are in ``hold`` from the replay on
@@ -440,8 +478,8 @@ def build_problem(stats: ModelStats, max_choices: int = 16, keep_random: bool = 
         if not useful:
             continue
         for c in group:
-            c.bytes, c.discarded, c.ms, c.n_items, c.work = (
-                [getattr(c, f)[k] for k in useful] for f in ("bytes", "discarded", "ms", "n_items", "work")
+            c.bytes, c.discarded, c.ms, c.mechanism, c.n_items, c.work = (
+                [getattr(c, f)[k] for k in useful] for f in ("bytes", "discarded", "ms", "mechanism", "n_items", "work")
             )
         candidates += group
         if len(group) > 1:

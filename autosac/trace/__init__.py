@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -127,7 +128,7 @@ def profile(
         step,
         model_name=type(model).__name__,
         fingerprint=model_fingerprint(model),
-        target=spec.to_dict(),
+        target=replace(spec, host=cost.host).to_dict(),  # the host figures the times include
         world_size=world_size,
         optimizer=optimizer_name(optimizer),
         versions={"autosac": __version__, "torch": torch.__version__},

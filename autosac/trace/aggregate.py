@@ -227,6 +227,7 @@ def _module_stats(step: TracedStep, live: np.ndarray, times: _Times, saved: _Sav
     for ps in step.params.values():
         param_own[ps.module].append(ps)
     kept = _kept_events(rec, saved.ops, saved.groups)
+    saved_tensors = _saved_tensors_per_call(rec)
     work, profiles, cache_holds = _recompute_work(rec, kept, times.bw_first)
     modules: dict[str, ModuleStats] = {}
     for fqn, mtype in step.module_types.items():
@@ -269,8 +270,21 @@ def _module_stats(step: TracedStep, live: np.ndarray, times: _Times, saved: _Sav
             saved_op_ids=ids, discardable_bytes=sum(saved.ops[i].bytes for i in ids if _in_first(saved.ops[i], windows)),
             cache_holds=sorted([e, b] for e, b in cache_holds.get(fqn, {}).items()),
             tradeoff=curve, tradeoff_exact_points=len(curve),
+            saved_tensors=saved_tensors.get(fqn, [0] * len(windows)),
         )
     return modules
+
+
+def _saved_tensors_per_call(rec) -> dict[str, list[int]]:
+    """Per module, per forward call: how many tensors autograd saved inside it."""
+    starts = {fqn: [w[0] for w in ws] for fqn, ws in rec.fw_windows.items()}
+    out = {fqn: [0] * len(ws) for fqn, ws in rec.fw_windows.items()}
+    for position, stack in rec.save_points:
+        for fqn in stack:
+            j = bisect.bisect_right(starts.get(fqn, ()), position) - 1
+            if j >= 0:
+                out[fqn][j] += 1
+    return out
 
 
 def _in_first(op: SavedOp, windows: list) -> bool:

@@ -18,6 +18,7 @@ from torch.utils import flop_counter
 from torch.utils._pytree import tree_leaves, tree_map
 
 from autosac.devices import DeviceSpec
+from autosac.host import host_costs
 from autosac.opkinds import is_view_op
 from autosac.trace.timings import TimingCache
 
@@ -213,12 +214,25 @@ class CostModel:
 
     def __init__(self, spec: DeviceSpec, cpu_size_cap_bytes: int = 256 << 20) -> None:
         self.spec = spec
+        self.host = host_costs(spec.host)  # this machine's, measured once, unless the spec states them
         self.cpu_size_cap_bytes = cpu_size_cap_bytes
         self.unknown_ops: set[str] = set()
         self._timings = TimingCache() if spec.measured else None
 
     def op_ms(self, func, args, kwargs, out) -> tuple[float, int]:
-        """(milliseconds, FLOPs) of one op call on the target; views cost nothing."""
+        """(milliseconds, FLOPs) of one op call on the target, the host's
+        dispatch included (:meth:`with_host`); a view's is only that."""
+        ms, flops = self._kernel_ms(func, args, kwargs, out)
+        return self.with_host(ms), flops
+
+    def with_host(self, kernel_ms: float) -> float:
+        """An op call's time with the host's: on a GPU the two overlap (the
+        longer counts: a short kernel waits for the next op to be issued);
+        on the CPU they add up."""
+        host_ms = self.host.op_us / 1e3
+        return kernel_ms + host_ms if self.spec.device_type == "cpu" else max(kernel_ms, host_ms)
+
+    def _kernel_ms(self, func, args, kwargs, out) -> tuple[float, int]:
         if is_view_op(func):
             return 0.0, 0
         flops = op_flops(func, args, kwargs, out)

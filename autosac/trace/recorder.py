@@ -74,6 +74,9 @@ class Recording:
     output_storages: dict[str, set[int]] = field(default_factory=dict)  # fqn -> storage records it returned
     param_dtypes: dict[str, set[str]] = field(default_factory=dict)
     unknown_ops: set[str] = field(default_factory=set)
+    # each tensor autograd saved in the forward: (ops recorded before the save, module stack at the save);
+    # an op's inputs are saved before it runs, its outputs after, so the stack tells whose call it was
+    save_points: list[tuple[int, Stack]] = field(default_factory=list)
 
 
 SMALL_NUMEL = 1 << 16  # tensors this small (and on the cpu) may be computed for real
@@ -511,6 +514,7 @@ class StepRecorder(TorchDispatchMode):
     # ------------------------------------------------------ saved tensors
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         if self.phase == "forward" and isinstance(t, torch.Tensor):
+            self.rec.save_points.append((len(self.rec.ops), self._stack_t))
             idx = self._by_storage.get(id(t.untyped_storage()))
             if idx is not None:
                 rec = self.rec.storages[idx]

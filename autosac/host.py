@@ -1,0 +1,206 @@
+"""What the host -- the CPU running Python -- spends on a training step besides
+the kernels, and what checkpointing adds to it.
+
+On a fast GPU an eager step is often bound by the host: every op costs Python,
+autograd and dispatcher time before its kernel launches, and a short kernel
+finishes before the next op is issued.  Checkpointing adds host work of its
+own, whatever the kernels cost:
+
+* ``op_us``: one eager op call (forward or backward), Python and autograd
+  included.  On a GPU it overlaps the kernels (an op costs the longer of its
+  kernel and this); on the CPU it adds to them.
+* ``checkpoint_call_us``: one checkpointed call, forward and backward
+  together, beyond re-running its ops: ``torch.utils.checkpoint``'s frame,
+  RNG state, and autosac's state swap around the replay (a module recomputed
+  whole takes this path);
+* ``saved_tensor_us``: each tensor autograd saves inside a checkpointed call:
+  the checkpoint's saved-tensor hooks pack it in the forward and in the
+  recompute and unpack it in the backward.
+* ``selective_op_us``: each op call inside a selectively checkpointed call
+  (some outputs cached, some recomputed), in the forward and again in the
+  recompute: the dispatch modes and the per-call bookkeeping.
+
+:func:`calibrate` measures the three on this machine with a micro-benchmark
+(small models run plain, checkpointed whole and checkpointed selectively
+through autosac's own applier), once per machine: the figures are cached with
+the CPU op timings (:mod:`autosac.trace.timings`).  A plan for another host
+states its figures: ``DeviceSpec(..., host=HostCosts(op_us=..., ...))``.
+
+This module measures the applier (stage 3) for the trace (stage 1): it imports
+the pipeline only inside :func:`calibrate`, and no stage imports it back but
+the trace, for its figures.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+CACHE_KEY = "host-costs-v4"  # bump when the micro-benchmark changes
+_FIELDS = ("op_us", "checkpoint_call_us", "saved_tensor_us", "selective_op_us")
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """Host time in microseconds (see the module's docstring).
+
+    Example::
+
+        >>> HostCosts(op_us=12.0, checkpoint_call_us=100.0, saved_tensor_us=12.0, selective_op_us=40.0)
+    """
+
+    op_us: float = 0.0
+    checkpoint_call_us: float = 0.0
+    saved_tensor_us: float = 0.0
+    selective_op_us: float = 0.0
+
+    def checkpoint_ms(self, saved_tensors: int, ops: int, selective: bool) -> float:
+        """What checkpointing one call costs the host: per call, per tensor its
+        forward saves, and (selectively) per op call, in the forward and the replay."""
+        us = self.checkpoint_call_us + saved_tensors * self.saved_tensor_us
+        return (us + (2 * ops * self.selective_op_us if selective else 0.0)) / 1e3
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"HostCosts.{name} must be a number of microseconds >= 0, got {value!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def host_costs(given: HostCosts | dict | None) -> HostCosts:
+    """``given`` as :class:`HostCosts`, or this machine's (:func:`calibrate`) when None."""
+    if given is None:
+        return calibrate()
+    return given if isinstance(given, HostCosts) else HostCosts(**given)
+
+
+_CALIBRATED: HostCosts | None = None
+
+
+def calibrate(force: bool = False) -> HostCosts:
+    """This machine's :class:`HostCosts`, measured once and cached (on disk
+    with the CPU op timings, in memory for the process).
+
+    The micro-benchmark: 8 blocks of Linear-GELU pairs (two pairs, then
+    six: two sizes of checkpointed call, which tell the per-call cost from
+    the per-saved-tensor one) on a 16x128 batch, forward and backward, timed
+    plain, with every block checkpointed whole, and (two pairs) with every
+    block checkpointed selectively (a Linear's output cached, GELU
+    recomputed); medians of interleaved rounds, under a second.
+
+    Example::
+
+        >>> autosac.host.calibrate()
+        HostCosts(op_us=0.5, checkpoint_call_us=150.0, saved_tensor_us=12.0, selective_op_us=24.0)
+    """
+    global _CALIBRATED
+    if _CALIBRATED is not None and not force:
+        return _CALIBRATED
+    from autosac.trace.timings import TimingCache
+
+    cache = TimingCache()
+    found = [cache.get(f"{CACHE_KEY}:{f}") for f in _FIELDS]
+    if all(v is not None for v in found) and not force:
+        _CALIBRATED = HostCosts(*found)
+        return _CALIBRATED
+    costs = _measure()
+    for name, value in costs.to_dict().items():
+        cache.put(f"{CACHE_KEY}:{name}", value)
+    cache.save()
+    _CALIBRATED = costs
+    return costs
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int, pairs: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(pairs))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.nn.functional.gelu(layer(x))
+        return x
+
+
+def _measure(blocks: int = 8, width: int = 128, batch: int = 16, rounds: int = 5) -> HostCosts:
+    shallow = _checkpointed_times(2, blocks, width, batch, rounds, selective=True)
+    deep = _checkpointed_times(6, blocks, width, batch, rounds, selective=False)
+    # per call: mechanism = call + saved * saved_tensor, from the two sizes of call
+    saved_us = max(0.0, (deep["mechanism_us"] - shallow["mechanism_us"]) / max(1, deep["saved"] - shallow["saved"]))
+    call_us = max(0.0, shallow["mechanism_us"] - shallow["saved"] * saved_us)
+    mechanism_us = call_us + shallow["saved"] * saved_us
+    selective_us = max(0.0, (shallow["selective_us"] - mechanism_us) / (2 * shallow["ops"]))
+    return HostCosts(round(shallow["op_us"], 3), round(call_us, 2), round(saved_us, 3), round(selective_us, 3))
+
+
+def _checkpointed_times(pairs: int, blocks: int, width: int, batch: int, rounds: int, selective: bool) -> dict:
+    """One calibration model's figures: the host time per op, and per
+    checkpointed call (beyond re-running its ops) whole and selectively."""
+    import copy
+    import warnings
+    from dataclasses import replace
+
+    import autosac
+    from autosac.devices import DEVICES
+    from autosac.solver import plan_from_decisions
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[_Block(width, pairs) for _ in range(blocks)])
+        x = torch.randn(batch, width)
+    # the trace times each op on this CPU (cached): the kernels' part of the step
+    spec = replace(DEVICES["cpu"], host=HostCosts())  # zero host costs: no calibration inside the calibration
+    stats = autosac.profile(model, x, target=spec, optimizer="none", output_held=False)
+    names = [str(i) for i in range(blocks)]
+    whole = plan_from_decisions(stats, dict.fromkeys(names, 1.0))
+    variants = {"none": model}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        variants["whole"] = autosac.apply(copy.deepcopy(model), whole)
+        if selective:  # the same regions, each caching its first matmul and recomputing the rest
+            partial = copy.deepcopy(whole)
+            for d in partial.details.values():
+                d.save = [next(i for i, (op, _) in enumerate(d.calls) if op == "addmm")]
+                d.skip = []
+            variants["selective"] = autosac.apply(copy.deepcopy(model), partial)
+        times = _timed(variants, x, rounds)
+    tl = stats.timeline
+    op_us = max(0.0, (times["none"] - stats.step_ms) * 1e3 / len(tl.ops))  # host time beyond the kernels
+    w0, w1 = stats.modules["0"].fw_windows[0]
+    ops, saved = w1 - w0, stats.modules["0"].saved_tensors[0]
+    rerun_ms = stats.modules["0"].fw_ms + ops * op_us / 1e3  # a whole block's forward, again
+    out = {"op_us": op_us, "ops": ops, "saved": saved,
+           "mechanism_us": ((times["whole"] - times["none"]) / blocks - rerun_ms) * 1e3}
+    if selective:  # its replay: the whole forward but the cached matmul
+        kept = next(e for e in range(w0, w1) if tl.ops[e] == "addmm")
+        replay_ms = rerun_ms - tl.ms[kept] - op_us / 1e3
+        out["selective_us"] = ((times["selective"] - times["none"]) / blocks - replay_ms) * 1e3
+    return out
+
+
+def _timed(variants: dict[str, nn.Module], x: torch.Tensor, rounds: int) -> dict[str, float]:
+    """Median ms of a forward and backward per variant, rounds interleaved."""
+    samples: dict[str, list[float]] = {k: [] for k in variants}
+
+    def step(m):
+        m(x).sum().backward()
+        m.zero_grad(set_to_none=True)
+
+    for m in variants.values():
+        step(m)
+    for _ in range(rounds):
+        for name, m in variants.items():
+            for _ in range(3):
+                t = time.perf_counter()
+                step(m)
+                samples[name].append((time.perf_counter() - t) * 1e3)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+__all__ = ["HostCosts", "calibrate", "host_costs"]

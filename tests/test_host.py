@@ -1,0 +1,114 @@
+"""Host costs: the dispatch floor per op, what checkpointing costs per call,
+per saved tensor and per selectively dispatched op, and how the solver weighs
+them (plain regions where per-op modes are dear).  Timing accuracy is measured
+in benchmarks/bench_dispatch_overhead.py, not here."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from suite import A100_CPU_KERNELS
+from torch import nn
+
+import autosac
+from autosac.devices import DeviceSpec
+from autosac.host import HostCosts, calibrate
+from autosac.models import build_model
+
+ZERO = HostCosts()
+
+
+def _gpt():
+    torch.manual_seed(0)
+    return build_model("gpt2", device="meta", n_layer=4, dim=128, n_head=4, seq=128, vocab=256, batch=4)
+
+
+def test_host_costs_are_checked_and_travel_with_the_target():
+    with pytest.raises(ValueError, match="op_us must be a number of microseconds >= 0"):
+        HostCosts(op_us=-1.0)
+    with pytest.raises(ValueError, match="selective_op_us"):
+        HostCosts(selective_op_us="fast")
+    spec = replace(A100_CPU_KERNELS, host=HostCosts(1.0, 2.0, 3.0, 4.0))
+    assert DeviceSpec.from_dict(spec.to_dict()) == spec
+    model, idx = _gpt()
+    stats = autosac.profile(model, idx, target=spec)
+    assert stats.target["host"] == {"op_us": 1.0, "checkpoint_call_us": 2.0, "saved_tensor_us": 3.0,
+                                    "selective_op_us": 4.0}
+    assert autosac.ModelStats.from_json(stats.to_json()).target == stats.target
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_every_op_costs_at_least_the_host_dispatch(device_type):
+    """On the CPU host time adds to each kernel; on a GPU they overlap (the longer counts)."""
+    model, idx = _gpt()
+    base = replace(A100_CPU_KERNELS, device_type=device_type)
+    floor_ms = 0.05
+    zero = autosac.profile(model, idx, target=replace(base, host=ZERO), optimizer="none").timeline
+    host = autosac.profile(model, idx, target=replace(base, host=HostCosts(op_us=floor_ms * 1e3)),
+                           optimizer="none").timeline
+    assert zero.ops == host.ops
+    for k, h in zip(zero.ms, host.ms):
+        expected = k + floor_ms if device_type == "cpu" else max(k, floor_ms)
+        assert h == pytest.approx(expected, abs=1e-12)
+
+
+def _plan(host: HostCosts, budget="least"):
+    model, idx = _gpt()
+    stats = autosac.profile(model, idx, target=replace(A100_CPU_KERNELS, host=host), optimizer="sgd")
+    return stats, autosac.solve(stats, budget)
+
+
+def test_the_solver_prices_the_mechanism_and_prefers_plain_regions_where_modes_are_dear():
+    """With free machinery the least-recompute plan is partly selective; where
+    the dispatch modes cost more than recomputing, the same budget is met by
+    plain regions only; the plan's mechanism time is the formula's."""
+    budget = "60%"
+    _, free = _plan(ZERO, budget)
+    assert any(d.save for d in free.details.values())  # some module caches part of its forward
+    assert free.mechanism_ms == 0
+    dear = HostCosts(op_us=0.0, checkpoint_call_us=10.0, saved_tensor_us=1.0, selective_op_us=500.0)
+    stats, plan = _plan(dear, budget)
+    assert plan.decisions and not any(d.save for d in plan.details.values())
+    expected = 0.0
+    for fqn in plan.decisions:
+        lo, hi = stats.modules[fqn].fw_windows[0]
+        expected += dear.checkpoint_ms(stats.modules[fqn].saved_tensors[0], hi - lo, selective=False)
+    assert plan.mechanism_ms == pytest.approx(expected)
+    assert plan.details[next(iter(plan.decisions))].mechanism_ms > 0
+    assert "checkpointing machinery" in str(plan)
+
+
+def test_saved_tensors_counts_what_autograd_keeps_per_module_call():
+    """Counted against autograd's own saved-tensor hooks on the real model."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8), nn.Sequential(nn.Tanh(), nn.Linear(8, 8)))
+    x = torch.randn(4, 8)
+    stats = autosac.profile(model, x, target=replace(A100_CPU_KERNELS, host=ZERO), optimizer="none")
+    counted = {}
+
+    def counter(name):
+        def pre(module, args):
+            counted[name] = 0
+            ctx = torch.autograd.graph.saved_tensors_hooks(lambda t: counted.__setitem__(name, counted[name] + 1)
+                                                           or t, lambda t: t)
+            ctx.__enter__()
+            module._ctx = ctx
+
+        def post(module, args, out):
+            module._ctx.__exit__(None, None, None)
+        return pre, post
+
+    for name, mod in model.named_children():
+        pre, post = counter(name)
+        mod.register_forward_pre_hook(pre)
+        mod.register_forward_hook(post)
+    model(x).sum().backward()
+    assert {name: stats.modules[name].saved_tensors for name in counted} == {k: [v] for k, v in counted.items()}
+    assert stats.modules[""].saved_tensors == [sum(counted.values())]
+
+
+def test_calibration_is_measured_once_and_cached():
+    first = calibrate()
+    assert calibrate() is first
+    assert all(v >= 0 for v in first.to_dict().values())
+    assert first.checkpoint_call_us > 0 and first.selective_op_us > 0
