@@ -91,6 +91,25 @@ def test_peak_exact_for_each_checkpoint_alone_and_a_pair():
         assert predicted - 0.02 * predicted <= measured <= predicted + 64 * 1024, (group, measured, predicted)
 
 
+def test_replay_keeps_the_numbers_its_own_graph_saves():
+    """A selectively checkpointed attention whose replay is the step's peak:
+    the replay re-makes the attention scale (``scores * 0.25``) as an 8-byte
+    tensor that its own graph's MulBackward0 keeps until the replay ends, beside
+    the copy the forward's graph keeps.  The prediction once missed it, so the
+    least plan measured 8 bytes over its budget."""
+    from dataclasses import replace
+
+    from autosac.host import HostCosts
+
+    torch.manual_seed(0)
+    model, idx = build_model("gpt2", device="cpu", n_layer=6, dim=64, n_head=4, seq=64, vocab=128, batch=2)
+    target = replace(autosac.DEVICES["cpu"], host=HostCosts())
+    stats = autosac.profile(model, idx, target=target, optimizer="none")
+    plan = plan_from_decisions(stats, {"blocks.5.attn": 0.5})
+    measured = autosac.measure(autosac.apply(copy.deepcopy(model), plan), idx, steps=1, optimizer="none").peak_bytes
+    assert measured == plan.predicted_peak_bytes
+
+
 class TokenBatchNorm(nn.BatchNorm1d):
     """Batch norm over the channels of (batch, tokens, channels), every token a sample."""
 

@@ -347,14 +347,24 @@ def _recompute_work(rec, kept: dict[str, set[int]], bw_first: dict[str, int]):
     outlive the forward (its output, say) until the replay ends -- plus op
     scratch.  Returns their peak, their live bytes over the forward as
     ``[event, bytes]`` change points, and per kept op the bytes of its other
-    outputs that the checkpoint's cache holds from their free until the backward."""
+    outputs that the checkpoint's cache holds from their free until the backward.
+
+    A number autograd keeps (``x * 0.5``: made by no op, ``producer`` -1) is
+    made and kept again by the replay's own graph, kept or re-run op alike,
+    until the replay ends."""
     windows = {fqn: [tuple(w) for w in ws] for fqn, ws in rec.fw_windows.items()}
     deltas: dict[str, list[tuple[int, int]]] = defaultdict(list)
     holds: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
     for r in rec.storages:
-        if r.kind != "act" or r.producer < 0 or r.freed is None:
+        if r.kind != "act" or r.freed is None or r.created < 0:
             continue
         p = r.producer
+        if p < 0:  # a number autograd keeps
+            for fqn in rec.stacks[r.created]:
+                for start, end in windows.get(fqn, ()):
+                    if start <= r.created < end:
+                        deltas[fqn] += [(r.created, r.nbytes), (min(r.freed, end), -r.nbytes)]
+            continue
         for fqn in rec.stacks[p]:
             for start, end in windows.get(fqn, ()):
                 if not start <= p < end:
