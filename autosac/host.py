@@ -21,8 +21,8 @@ own, whatever the kernels cost:
   recompute: the dispatch modes and the per-call bookkeeping.
 
 :func:`calibrate` measures the three on this machine with a micro-benchmark
-(small models run plain, checkpointed whole and checkpointed selectively
-through autosac's own applier), once per machine: the figures are cached with
+(small transformer blocks run plain, checkpointed whole and checkpointed
+selectively through autosac's own applier), once per machine: the figures are cached with
 the CPU op timings (:mod:`autosac.trace.timings`).  A plan for another host
 states its figures: ``DeviceSpec(..., host=HostCosts(op_us=..., ...))``.
 
@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-CACHE_KEY = "host-costs-v4"  # bump when the micro-benchmark changes
+CACHE_KEY = "host-costs-v5"  # bump when the micro-benchmark changes
 _FIELDS = ("op_us", "checkpoint_call_us", "saved_tensor_us", "selective_op_us")
 
 
@@ -87,12 +87,13 @@ def calibrate(force: bool = False) -> HostCosts:
     """This machine's :class:`HostCosts`, measured once and cached (on disk
     with the CPU op timings, in memory for the process).
 
-    The micro-benchmark: 8 blocks of Linear-GELU pairs (two pairs, then
-    six: two sizes of checkpointed call, which tell the per-call cost from
-    the per-saved-tensor one) on a 16x128 batch, forward and backward, timed
-    plain, with every block checkpointed whole, and (two pairs) with every
-    block checkpointed selectively (a Linear's output cached, GELU
-    recomputed); medians of interleaved rounds, under a second.
+    The micro-benchmark: 6 regions of small pre-norm transformer blocks
+    (attention and MLP, width 64; one block a region, then three: two sizes
+    of checkpointed call, which tell the per-call cost from the
+    per-saved-tensor one) on a 2x32 batch, forward and backward, timed plain,
+    with every region checkpointed whole, and (one block) with every region
+    checkpointed selectively (its first matmul cached, the rest recomputed);
+    medians of interleaved rounds, about a second.
 
     Example::
 
@@ -126,19 +127,39 @@ def calibrate(force: bool = False) -> HostCosts:
 
 
 class _Block(nn.Module):
-    def __init__(self, width: int, pairs: int) -> None:
+    """A small pre-norm transformer block (attention and MLP), the kind of
+    module plans checkpoint most; ``blocks`` of them form one region."""
+
+    def __init__(self, width: int, blocks: int) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(pairs))
+        self.layers = nn.ModuleList(_Layer(width) for _ in range(blocks))
 
     def forward(self, x):
         for layer in self.layers:
-            x = torch.nn.functional.gelu(layer(x))
+            x = layer(x)
         return x
 
 
-def _measure(blocks: int = 8, width: int = 128, batch: int = 16, rounds: int = 5) -> HostCosts:
-    shallow = _checkpointed_times(2, blocks, width, batch, rounds, selective=True)
-    deep = _checkpointed_times(6, blocks, width, batch, rounds, selective=False)
+class _Layer(nn.Module):
+    def __init__(self, width: int, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.out(torch.nn.functional.gelu(self.fc(self.ln_2(x))))
+
+
+def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, rounds: int = 5) -> HostCosts:
+    shallow = _checkpointed_times(1, regions, width, batch, seq, rounds, selective=True)
+    deep = _checkpointed_times(3, regions, width, batch, seq, rounds, selective=False)
     # per call: mechanism = call + saved * saved_tensor, from the two sizes of call
     saved_us = max(0.0, (deep["mechanism_us"] - shallow["mechanism_us"]) / max(1, deep["saved"] - shallow["saved"]))
     call_us = max(0.0, shallow["mechanism_us"] - shallow["saved"] * saved_us)
@@ -147,7 +168,8 @@ def _measure(blocks: int = 8, width: int = 128, batch: int = 16, rounds: int = 5
     return HostCosts(round(shallow["op_us"], 3), round(call_us, 2), round(saved_us, 3), round(selective_us, 3))
 
 
-def _checkpointed_times(pairs: int, blocks: int, width: int, batch: int, rounds: int, selective: bool) -> dict:
+def _checkpointed_times(layers: int, blocks: int, width: int, batch: int, seq: int, rounds: int,
+                        selective: bool) -> dict:
     """One calibration model's figures: the host time per op, and per
     checkpointed call (beyond re-running its ops) whole and selectively."""
     import copy
@@ -160,8 +182,8 @@ def _checkpointed_times(pairs: int, blocks: int, width: int, batch: int, rounds:
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = nn.Sequential(*[_Block(width, pairs) for _ in range(blocks)])
-        x = torch.randn(batch, width)
+        model = nn.Sequential(*[_Block(width, layers) for _ in range(blocks)])
+        x = torch.randn(batch, seq, width)
     # the trace times each op on this CPU (cached): the kernels' part of the step
     spec = replace(DEVICES["cpu"], host=HostCosts())  # zero host costs: no calibration inside the calibration
     stats = autosac.profile(model, x, target=spec, optimizer="none", output_held=False)

@@ -146,7 +146,7 @@ def run_ranks(target, world, *args, timeout_s: float = 120) -> None:
 
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args)) for r in range(world)]
+    procs = [ctx.Process(target=_run_rank, args=(target, r, world, port, *args)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -157,6 +157,21 @@ def run_ranks(target, world, *args, timeout_s: float = 120) -> None:
             raise AssertionError("a rank timed out")
     failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
     assert not failed, f"rank(s) {failed} failed"
+
+
+def _run_rank(target, rank: int, world: int, port: int, *args) -> None:
+    """One rank's process: ``target``, then straight out once it returned.  A
+    rank that had finished its work was seen aborting in the interpreter's own
+    exit ("terminate called without an active exception": gloo's threads torn
+    down by the C++ runtime's exit); a failure still exits non-zero (the
+    exception propagates before this)."""
+    import os
+    import sys
+
+    target(rank, world, port, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @contextmanager
