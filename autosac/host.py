@@ -20,7 +20,7 @@ own, whatever the kernels cost:
   (some outputs cached, some recomputed), in the forward and again in the
   recompute: the dispatch modes and the per-call bookkeeping.
 
-:func:`calibrate` measures the three on this machine with a micro-benchmark
+:func:`calibrate` measures the four on this machine with a micro-benchmark
 (small transformer blocks run plain, checkpointed whole and checkpointed
 selectively through autosac's own applier), once per machine: the figures are cached with
 the CPU op timings (:mod:`autosac.trace.timings`).  A plan for another host

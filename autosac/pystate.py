@@ -155,15 +155,8 @@ def _torch_internal_type(kind: type) -> bool:
     """PyTorch's own bookkeeping objects (FSDP2's per-module state, hook
     handles, DTensor specs): not user state, and copying their attributes would
     keep alive what they release -- FSDP2's gathered parameters after a
-    forward, say.  Modules are captured on their own."""
-    internal = _INTERNAL.get(kind)
-    if internal is None:
-        internal = _INTERNAL[kind] = (not issubclass(kind, nn.Module)
-                                      and (kind.__module__ or "").split(".")[0] == "torch")
-    return internal
-
-
-_INTERNAL: dict[type, bool] = {}  # per type: one of PyTorch's own (see _torch_internal_type)
+    forward, say.  Modules are captured on their own.  (Asked once per type: :func:`_kind_of`.)"""
+    return not issubclass(kind, nn.Module) and (kind.__module__ or "").split(".")[0] == "torch"
 
 
 def _contents(obj):

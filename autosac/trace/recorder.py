@@ -159,7 +159,7 @@ def run_op(func, args, kwargs, made_in_trace=lambda t: False, fake_mode=None, sm
 # whose reduced result is a 0-dim view of the input-sized elementwise loss the
 # kernel made (mse_loss(reduction="mean") of a 64 KiB input returns a scalar
 # holding 64 KiB, alive as long as the loss is: through backward).
-REAL_SIZE_OPS = frozenset({"mkldnn_rnn_layer", "mse_loss", "smooth_l1_loss", "huber_loss", "soft_margin_loss",
+REAL_SIZE_OPS = frozenset({"mkldnn_rnn_layer", "mse_loss", "smooth_l1_loss", "soft_margin_loss",
                            "binary_cross_entropy"})
 # Kernels whose internal working memory depends on the kernel's own choices
 # (oneDNN's reorders in a convolution's backward; the CPU flash attention's
