@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-CACHE_KEY = "host-costs-v5"  # bump when the micro-benchmark changes
+CACHE_KEY = "host-costs-v6"  # bump when the micro-benchmark changes
 _FIELDS = ("op_us", "checkpoint_call_us", "saved_tensor_us", "selective_op_us")
 
 
@@ -158,8 +158,16 @@ class _Layer(nn.Module):
 
 
 def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, rounds: int = 5) -> HostCosts:
-    shallow = _checkpointed_times(1, regions, width, batch, seq, rounds, selective=True)
-    deep = _checkpointed_times(3, regions, width, batch, seq, rounds, selective=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        x = torch.randn(batch, seq, width)
+        shallow = _calibration_models(1, regions, width, x, selective=True)
+        deep = _calibration_models(3, regions, width, x, selective=False)
+    # one timing run, rounds interleaved across both sizes: drift hits them alike
+    times = _timed({**{("shallow", k): m for k, m in shallow["variants"].items()},
+                    **{("deep", k): m for k, m in deep["variants"].items()}}, x, rounds)
+    shallow = _figures(shallow, {k: t for (size, k), t in times.items() if size == "shallow"})
+    deep = _figures(deep, {k: t for (size, k), t in times.items() if size == "deep"})
     # per call: mechanism = call + saved * saved_tensor, from the two sizes of call
     saved_us = max(0.0, (deep["mechanism_us"] - shallow["mechanism_us"]) / max(1, deep["saved"] - shallow["saved"]))
     call_us = max(0.0, shallow["mechanism_us"] - shallow["saved"] * saved_us)
@@ -168,10 +176,10 @@ def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, r
     return HostCosts(round(shallow["op_us"], 3), round(call_us, 2), round(saved_us, 3), round(selective_us, 3))
 
 
-def _checkpointed_times(layers: int, blocks: int, width: int, batch: int, seq: int, rounds: int,
-                        selective: bool) -> dict:
-    """One calibration model's figures: the host time per op, and per
-    checkpointed call (beyond re-running its ops) whole and selectively."""
+def _calibration_models(layers: int, blocks: int, width: int, x: torch.Tensor, selective: bool) -> dict:
+    """One calibration model (``blocks`` regions of ``layers`` transformer
+    blocks), its profile, and its variants: plain, every region checkpointed
+    whole, and (``selective``) every region caching its first matmul."""
     import copy
     import warnings
     from dataclasses import replace
@@ -180,15 +188,11 @@ def _checkpointed_times(layers: int, blocks: int, width: int, batch: int, seq: i
     from autosac.devices import DEVICES
     from autosac.solver import plan_from_decisions
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = nn.Sequential(*[_Block(width, layers) for _ in range(blocks)])
-        x = torch.randn(batch, seq, width)
+    model = nn.Sequential(*[_Block(width, layers) for _ in range(blocks)])
     # the trace times each op on this CPU (cached): the kernels' part of the step
     spec = replace(DEVICES["cpu"], host=HostCosts())  # zero host costs: no calibration inside the calibration
     stats = autosac.profile(model, x, target=spec, optimizer="none", output_held=False)
-    names = [str(i) for i in range(blocks)]
-    whole = plan_from_decisions(stats, dict.fromkeys(names, 1.0))
+    whole = plan_from_decisions(stats, dict.fromkeys((str(i) for i in range(blocks)), 1.0))
     variants = {"none": model}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -199,7 +203,13 @@ def _checkpointed_times(layers: int, blocks: int, width: int, batch: int, seq: i
                 d.save = [next(i for i, (op, _) in enumerate(d.calls) if op == "addmm")]
                 d.skip = []
             variants["selective"] = autosac.apply(copy.deepcopy(model), partial)
-        times = _timed(variants, x, rounds)
+    return {"stats": stats, "variants": variants, "blocks": blocks}
+
+
+def _figures(setup: dict, times: dict[str, float]) -> dict:
+    """One calibration model's figures from its timed variants: the host time
+    per op, and per checkpointed call (beyond re-running its ops) whole and selectively."""
+    stats, blocks = setup["stats"], setup["blocks"]
     tl = stats.timeline
     op_us = max(0.0, (times["none"] - stats.step_ms) * 1e3 / len(tl.ops))  # host time beyond the kernels
     w0, w1 = stats.modules["0"].fw_windows[0]
@@ -207,14 +217,14 @@ def _checkpointed_times(layers: int, blocks: int, width: int, batch: int, seq: i
     rerun_ms = stats.modules["0"].fw_ms + ops * op_us / 1e3  # a whole block's forward, again
     out = {"op_us": op_us, "ops": ops, "saved": saved,
            "mechanism_us": ((times["whole"] - times["none"]) / blocks - rerun_ms) * 1e3}
-    if selective:  # its replay: the whole forward but the cached matmul
+    if "selective" in times:  # its replay: the whole forward but the cached matmul
         kept = next(e for e in range(w0, w1) if tl.ops[e] == "addmm")
         replay_ms = rerun_ms - tl.ms[kept] - op_us / 1e3
         out["selective_us"] = ((times["selective"] - times["none"]) / blocks - replay_ms) * 1e3
     return out
 
 
-def _timed(variants: dict[str, nn.Module], x: torch.Tensor, rounds: int) -> dict[str, float]:
+def _timed(variants: dict, x: torch.Tensor, rounds: int) -> dict:
     """Median ms of a forward and backward per variant, rounds interleaved."""
     samples: dict[str, list[float]] = {k: [] for k in variants}
 
