@@ -22,21 +22,31 @@ import torch
 
 from autosac.opkinds import op_kind
 
+_TENSOR = torch.Tensor
+_SEQ = (list, tuple)
+
 
 def tensors_in(*trees) -> list[torch.Tensor]:
     """The tensors in op arguments or outputs: tensors, and lists, tuples and
     dicts of them (all a dispatched op takes or returns); faster than pytree."""
     out: list[torch.Tensor] = []
-    todo = list(trees)
-    while todo:
-        x = todo.pop()
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-        elif isinstance(x, (list, tuple)):
-            todo.extend(x)
-        elif isinstance(x, dict):
-            todo.extend(x.values())
+    for x in trees:
+        _collect(x, out)
     return out
+
+
+def _collect(x, out: list) -> None:
+    if isinstance(x, _TENSOR):
+        out.append(x)
+    elif isinstance(x, _SEQ):
+        for v in x:  # an op's arguments: mostly tensors and numbers, a list of tensors at most
+            if isinstance(v, _TENSOR):
+                out.append(v)
+            elif isinstance(v, (list, tuple, dict)):
+                _collect(v, out)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _collect(v, out)
 
 
 def _storage(t: torch.Tensor):
@@ -48,39 +58,71 @@ def _storage(t: torch.Tensor):
 
 class DataflowTracker:
     """Follows storages through op calls; remembers, per live storage, its
-    producer call and the calls that wrote it since."""
+    producer call and the calls that wrote it since.
+
+    Entries are keyed by the storage's ``id`` and hold a weak reference to
+    it: an entry whose storage has died (its ``id`` free for another) is
+    ignored and replaced, never read."""
 
     def __init__(self) -> None:
-        self._flow: dict[int, tuple[int | None, list[int]]] = {}
-        self._refs: dict[int, weakref.ref] = {}
+        # id(storage) -> [producer call or None, [calls that wrote it], weak reference]
+        self._flow: dict[int, list] = {}
 
-    def _key(self, st) -> int:
-        key = id(st)
-        if key not in self._refs:
-            self._refs[key] = weakref.ref(st, lambda _r, k=key: self._forget(k))
-        return key
-
-    def _forget(self, key: int) -> None:
-        self._flow.pop(key, None)
-        self._refs.pop(key, None)
+    def _entry(self, st) -> list | None:
+        entry = self._flow.get(id(st))
+        return entry if entry is not None and entry[2]() is st else None
 
     def reads(self, args, kwargs, storages: list | None = None) -> list[int]:
         """Sorted calls whose results a call with these arguments reads
         (``storages``: their tensors' storages, if the caller has them)."""
         deps: set[int] = set()
-        flow = self._flow
         for st in storages if storages is not None else arg_storages(args, kwargs):
-            entry = flow.get(id(st))
+            entry = self._entry(st)
             if entry is not None:
                 if entry[0] is not None:
                     deps.add(entry[0])
                 deps.update(entry[1])
         return sorted(deps)
 
+    def step(self, idx: int, kind, storages: list, out, written) -> tuple[int, ...]:
+        """:meth:`reads` then :meth:`record` for call ``idx``, which has run
+        (``kind``: its :class:`~autosac.opkinds.OpKind`; ``storages``: its
+        arguments'): the applier's one call per op, written for speed.
+        Returns the calls it read, sorted."""
+        flow = self._flow
+        deps: set[int] = set()
+        for st in storages:
+            entry = flow.get(id(st))
+            if entry is not None and entry[2]() is st:
+                if entry[0] is not None:
+                    deps.add(entry[0])
+                deps.update(entry[1])
+        if not kind.view:
+            for t in written:
+                st = _storage(t)
+                if st is not None:
+                    entry = self._entry(st)
+                    if entry is None:
+                        entry = flow[id(st)] = [None, [], weakref.ref(st)]
+                    entry[1].append(idx)
+            for t in (out,) if isinstance(out, _TENSOR) else tensors_in(out):
+                st = _storage(t)
+                if st is None:
+                    continue
+                entry = flow.get(id(st))
+                if entry is not None and entry[2]() is st:
+                    continue
+                for s in storages:
+                    if s is st:
+                        break
+                else:
+                    flow[id(st)] = [idx, [], weakref.ref(st)]
+        return tuple(sorted(deps)) if len(deps) > 1 else tuple(deps)
+
     def produced_here(self, t: torch.Tensor) -> bool:
         """Whether a tracked call produced ``t``'s storage (rather than it coming from outside)."""
         st = _storage(t)
-        entry = self._flow.get(id(st)) if st is not None else None
+        entry = self._entry(st) if st is not None else None
         return entry is not None and entry[0] is not None
 
     def record(self, idx: int, func, args, kwargs, out, storages: list | None = None,
@@ -90,21 +132,36 @@ class DataflowTracker:
         kind = op_kind(func)
         if kind.view:
             return
-        ins = {id(st) for st in (storages if storages is not None else arg_storages(args, kwargs))}
+        flow = self._flow
         for t in written if written is not None else kind.written_tensors(args, kwargs):
             st = _storage(t)
             if st is not None:
-                key = self._key(st)
-                self._flow.setdefault(key, (None, []))[1].append(idx)
+                entry = self._entry(st)
+                if entry is None:
+                    entry = flow[id(st)] = [None, [], weakref.ref(st)]
+                entry[1].append(idx)
+        if storages is None:
+            storages = arg_storages(args, kwargs)
         for t in tensors_in(out):
             st = _storage(t)
-            if st is not None and id(st) not in ins and id(st) not in self._flow:
-                self._flow[self._key(st)] = (idx, [])
+            if st is not None and self._entry(st) is None and all(st is not s for s in storages):
+                flow[id(st)] = [idx, [], weakref.ref(st)]
 
 
 def arg_storages(args, kwargs) -> list:
     """The storages of a call's tensor arguments (tensors without one left out)."""
-    return [st for st in map(_storage, tensors_in(args, kwargs)) if st is not None]
+    out = []
+    try:  # the common case, inline: tensors and numbers, a list of tensors at most
+        for a in args:
+            if isinstance(a, _TENSOR):
+                out.append(a.untyped_storage())
+            elif isinstance(a, _SEQ):
+                out.extend(t.untyped_storage() for t in tensors_in(a))
+        if kwargs:
+            out.extend(t.untyped_storage() for t in tensors_in(kwargs))
+        return out
+    except (RuntimeError, NotImplementedError):  # tensors without a storage (some subclasses)
+        return [st for st in map(_storage, tensors_in(args, kwargs)) if st is not None]
 
 
 def local_calls(ops: list[str], inputs: list[list[int]], window: tuple[int, int], ignored) -> tuple[list[int], list]:

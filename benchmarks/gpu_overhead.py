@@ -7,7 +7,7 @@ autocast, one run measures side by side:
   torch sac     torch's selective checkpointing of every block, a policy that recomputes everything
   autosac       autosac's least-peak plan
   autosac -rb   the same plan with autosac's per-op bookkeeping replaced by pass-through
-                (its dispatch modes still entered): the cost of the bookkeeping
+                (its two dispatch modes still entered): the cost of the bookkeeping
   autosac -m    the same plan with no autosac dispatch mode at all (torch's SAC
                 with a recompute-everything policy, autosac's Python state capture kept)
 
@@ -89,15 +89,13 @@ class _Patched:
             setattr(region.RegionCall, k, v)
 
 
-def _pass_forward(self, func, args, kwargs):
+def _pass_forward(self, func, kind, args, kwargs):
+    self.n += 1
+    self.funcs.append(func)  # the replay checks it runs the same ops
     return func(*args, **kwargs)
 
 
-def _pass_policy(self, ctx, func, *args, **kwargs):
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _pass_replay(self, func, args, kwargs, counts, local):
+def _pass_replay(self, func, kind, args, kwargs, k, local, keep):
     return func(*args, **kwargs)
 
 
@@ -124,7 +122,7 @@ def run(name, cfg):
     rows.append(("torch sac", sac, None))
     ours = autosac.apply(copy.deepcopy(model), plan)
     rows.append(("autosac", ours, None))
-    rows.append(("autosac -rb", ours, dict(forward_op=_pass_forward, policy_fn=_pass_policy, replay_op=_pass_replay)))
+    rows.append(("autosac -rb", ours, dict(forward_op=_pass_forward, replay_op=_pass_replay)))
     rows.append(("autosac -m", ours, dict(contexts=_no_modes)))
     print(f"\n{name} {cfg}: plan checkpoints {len(plan.decisions)} modules, predicted overhead {plan.overhead:+.1%}")
     base = None

@@ -444,70 +444,44 @@ def test_replay_computes_only_what_the_discarded_activations_need():
     assert got == {op: n for op, n in expected.items() if n}, (got, dict(expected))
 
 
-def _drive(call, module, x, policy_first: bool):
-    """Run ``module(x)`` with ``call`` as SAC would drive it: the policy asked
-    after each op (torch >= 2.13) or before it (torch 2.11); returns the answers
-    and the ops asked about."""
-    import types
+class _Flagged(nn.Module):
+    """Takes one branch or the other on a module-level flag, which a checkpoint
+    cannot save (it is not the module's or its arguments' state)."""
 
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils.checkpoint import SelectiveCheckpointContext
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
 
-    from autosac.opkinds import is_sac_ignored
-
-    answers, funcs = [], []
-
-    class Sac(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if is_sac_ignored(func):
-                return func(*args, **kwargs)
-            funcs.append(func)
-            if policy_first:
-                answers.append(call.policy_fn(types.SimpleNamespace(is_recompute=False), func, *args, **kwargs))
-                return call.forward_op(func, args, kwargs)
-            out = call.forward_op(func, args, kwargs)
-            answers.append(call.policy_fn(SelectiveCheckpointContext(is_recompute=False, op_output=out),
-                                          func, *args, **kwargs))
-            return out
-
-    with Sac():
-        module(x)
-    return answers, funcs
+    def forward(self, x):
+        h = self.fc1(x)
+        h = torch.tanh(h) if _FLAG["tanh"] else torch.sigmoid(h)
+        return self.fc2(h * h)
 
 
-def test_the_policy_answers_the_same_asked_before_or_after_each_op():
-    """torch 2.13 asks the selective-checkpoint policy after each op (with its
-    output), torch 2.11 before it and again in the re-run: same answers, the
-    same bookkeeping for the replay, and the re-run asked in order gets the
-    forward's answers back."""
-    from autosac.applier.region import RegionPolicy
+_FLAG = {"tanh": True}
 
+
+def test_a_replay_that_runs_other_ops_than_its_forward_raises_instead_of_using_the_wrong_cache():
+    """Global state flipped between forward and backward makes the replay run
+    other ops: it raises, naming the module, rather than handing a cached
+    output to the wrong op call; with the state kept, the step is bitwise."""
     torch.manual_seed(0)
-    model, idx = build_model("gpt2", n_layer=2, dim=64, n_head=4, seq=64, vocab=128, device="cpu", batch=4)
-    plan = autosac.solve(model, "85%", example_inputs=idx, target=A100_CPU_KERNELS)
-    fqn = next(f for f, d in plan.details.items() if d.save and f.startswith("blocks."))
-    block = model.get_submodule(fqn)
-    x = model.wte(idx) + model.wpe(torch.arange(idx.size(1)))
-    if fqn.endswith((".attn", ".mlp")):
-        x = getattr(model.get_submodule(fqn.rsplit(".", 1)[0]), "ln_1" if fqn.endswith("attn") else "ln_2")(x)
-    runs = []
-    for first in (False, True):
-        policy = RegionPolicy.from_decision(plan.details[fqn])
-        call = policy.start(block, (x,), {})
-        answers, funcs = _drive(call, block, x, first)
-        runs.append((answers, call))
-    (after, a), (before, b) = runs
-    assert after == before and a.differs is None and b.differs is None
-    assert "MUST_SAVE" in {p.name for p in after} and "PREFER_RECOMPUTE" in {p.name for p in after}
-    # storages cached for the replay (other tensors each run: count them) and what the replay may skip
-    assert len(a.cached) == len(b.cached) > 0 and dict(a.rerun) == dict(b.rerun)
-    import types
-
-    recompute = types.SimpleNamespace(is_recompute=True)
-    for func in {id(f): f for f in funcs}.values():
-        forward_answers = [p for f, p in zip(funcs, before) if f is func]
-        assert [b.policy_fn(recompute, func) for _ in forward_answers] == forward_answers
+    model = nn.Sequential(_Flagged(), nn.Linear(32, 8))
+    x = torch.randn(16, 32)
+    ref = copy.deepcopy(model)
+    stats = autosac.profile(model, x, target=A100_CPU_KERNELS, output_held=False)
+    plan = plan_from_decisions(stats, {"0": 1.0})
+    d = plan.details["0"]
+    d.save = [next(i for i, (op, _) in enumerate(d.calls) if op == "addmm")]  # cache fc1: a selective region
+    autosac.apply(model, plan)
+    _assert_bitwise(ref, model, x)
+    loss = model(x).sum()
+    _FLAG["tanh"] = False
+    try:
+        with pytest.raises(RuntimeError, match="module '0' replayed .* where its forward ran"):
+            loss.backward()
+    finally:
+        _FLAG["tanh"] = True
 
 
 class _Counting(nn.Module):

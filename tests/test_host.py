@@ -33,7 +33,7 @@ def test_host_costs_are_checked_and_travel_with_the_target():
     model, idx = _gpt()
     stats = autosac.profile(model, idx, target=spec)
     assert stats.target["host"] == {"op_us": 1.0, "checkpoint_call_us": 2.0, "saved_tensor_us": 3.0,
-                                    "selective_op_us": 4.0}
+                                    "selective_op_us": 4.0, "untimed_op_us": 0.0}
     assert autosac.ModelStats.from_json(stats.to_json()).target == stats.target
 
 
@@ -50,6 +50,20 @@ def test_every_op_costs_at_least_the_host_dispatch(device_type):
     for k, h in zip(zero.ms, host.ms):
         expected = k + floor_ms if device_type == "cpu" else max(k, floor_ms)
         assert h == pytest.approx(expected, abs=1e-12)
+
+
+def test_ops_timed_on_this_cpu_add_only_the_host_time_their_timing_does_not_see():
+    """Timing an op by calling it already counts its dispatcher: a measured
+    CPU target adds ``untimed_op_us`` per op, not the whole ``op_us``."""
+    torch.manual_seed(0)
+    model, idx = build_model("gpt2", device="cpu", n_layer=1, dim=32, n_head=2, seq=16, vocab=64, batch=2)
+    cpu = autosac.devices.DEVICES["cpu"]
+    zero = autosac.profile(model, idx, target=replace(cpu, host=ZERO), optimizer="none").timeline
+    host = autosac.profile(model, idx, target=replace(cpu, host=HostCosts(op_us=500.0, untimed_op_us=20.0)),
+                           optimizer="none").timeline
+    assert zero.ops == host.ops
+    for k, h in zip(zero.ms, host.ms):  # the same timings (cached in the process), plus the untimed part
+        assert h == pytest.approx(k + 0.02, abs=1e-12)
 
 
 def _plan(host: HostCosts, budget="least"):
@@ -112,3 +126,4 @@ def test_calibration_is_measured_once_and_cached():
     assert calibrate() is first
     assert all(v >= 0 for v in first.to_dict().values())
     assert first.checkpoint_call_us > 0 and first.selective_op_us > 0
+    assert first.op_us > first.untimed_op_us  # the whole host time of an op call, and the part timing misses

@@ -1,50 +1,53 @@
-"""One checkpointed module at run time: its selective-checkpoint policy, the
+"""One checkpointed module at run time: its selective checkpointing, the
 checks that keep it correct, and what its replay does.
 
-Each forward call of a decided module is a :class:`RegionCall`.  Its op calls
-are matched to the plan's :attr:`~autosac.plan.Decision.calls` by position:
+Each forward call of a decided module is a :class:`RegionCall`, run under
+``torch.utils.checkpoint`` (non-reentrant) with one dispatch mode of ours in
+the forward and one in the replay -- not PyTorch's two selective-checkpoint
+modes with ours beneath them: a Python dispatch mode costs every op call it
+sees, and this path costs less per op than PyTorch's
+(``benchmarks/bench_selective_op_cost.py``).  Op calls are matched to the
+plan's :attr:`~autosac.plan.Decision.calls` by position:
 
-* **Forward.**  A dispatch mode beneath PyTorch's SAC caching mode sees every
-  op call first: it records which earlier calls it reads
-  (:mod:`autosac.dataflow`) and, when the call writes a tensor made outside the
-  region (batch norm's running stats, a counter buffer, a parameter), keeps a
-  copy of that tensor as it was.  The policy then keeps the plan's ``save``
-  calls and recomputes the rest.
+* **Forward.**  Every op call is run and checked: which earlier calls it reads
+  (:mod:`autosac.dataflow`), and, when it writes a tensor made outside the
+  region (batch norm's running stats, a counter buffer, a parameter), a copy
+  of that tensor as it was.  The plan's ``save`` calls have their outputs
+  cached (new aliases, no autograd history); all other calls are recomputed.
 * **Checks, per call.**  An op that differs from the traced one at the same
   position (another branch, other shapes, ``eval()``), or that reads other
   results than traced, makes this call recompute everything from there on and
   skip nothing.  That warns once per module and kind, pointing at the user's
   code; the next call that matches is checkpointed as planned again.  Should a
-  call write in place into an output the checkpoint cached after a re-run op
-  read it (the plan never lets that happen; a call that departs from it might),
-  its replay raises instead of computing a wrong gradient.
-* **Replay.**  A dispatch mode beneath SAC's recompute mode sees exactly the
-  calls SAC re-runs, in order.  Calls the plan marks dead (and only while the
-  call matched the plan) return an empty tensor of the recorded shape; views,
-  writes and random ops always run.  Outside tensors the region writes are
-  read and written, in the replay, in a copy of them as they were when the
-  region started, and the Python state the forward started from is swapped in
-  for the replay (:mod:`autosac.pystate`): recomputation never updates
-  anything twice.  PyTorch's SAC hands each cached output to one replay only;
-  a replay in a backward that retains the graph (``retain_graph=True``,
-  ``create_graph=True``) leaves the cache as it found it, so the next backward
-  replays from the same cached outputs.
+  call write in place into an output the cache holds after a re-run op read it
+  (the plan never lets that happen; a call that departs from it might), its
+  replay raises instead of computing a wrong gradient.
+* **Replay.**  The same op calls again, in order, each checked to be the op
+  the forward ran at that position (global state changed between forward and
+  backward raises rather than handing a cached output to the wrong op).
+  Cached calls return their outputs; calls the plan marks dead (and only
+  while the call matched the plan) return an empty tensor of the recorded
+  shape; views, writes and random ops always run.  Outside tensors the region
+  writes are read and written, in the replay, in a copy of them as they were
+  when the region started, and the Python state the forward started from is
+  swapped in for the replay (:mod:`autosac.pystate`): recomputation never
+  updates anything twice.  A replay in a backward that frees the graph hands
+  each cached output over and drops it (as early as PyTorch's own SAC frees
+  it); one that retains the graph (``retain_graph=True``, ``create_graph=True``)
+  hands out new aliases and keeps the cache for the next backward.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 import sys
 import warnings
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from autosac.dataflow import DataflowTracker, arg_storages, tensors_in
 from autosac.opkinds import op_kind
@@ -97,109 +100,85 @@ class RegionCall:
         self.state = state
         self.flow: DataflowTracker | None = None if policy.plain else DataflowTracker()
         self.watched: list[tuple[torch.Tensor, int]] = []  # (tensor, its version) where plain
-        self.n = 0
-        self.last: tuple | None = None  # the call forward_op ran that SAC has not asked about yet
-        self.pending: tuple | None = None  # SAC's answer for the call about to run, where it asks first
-        self.answers: dict = defaultdict(list)  # per op, SAC's answers in call order ...
-        self.asked_again: dict = defaultdict(int)  # ... and how many of them a re-run asked for again
+        self.n = 0  # op calls the forward ran (those a selective policy sees)
+        self.funcs: list = []  # ... each one's op overload, for the replay to follow
+        self.cache: dict[int, object] = {}  # call index -> its outputs, detached, where the call is saved
+        self.shapes: dict[int, object] = {}  # call index -> its outputs' shapes, where the replay may skip it
         self.differs: str | None = None  # how the call first departed from the plan
         self.kind = ""  # "ops" or "flow": which way it departed
         self.unsafe: str | None = None  # a cached output written after a re-run op read it
-        # per op name, one entry per call SAC re-runs, in order: the outputs'
-        # shapes where the replay may skip the call, else None
-        self.rerun: dict[str, list] = defaultdict(list)
-        self.cached: set[int] = set()  # storages whose latest value the checkpoint caches
+        self.cached: set[int] = set()  # storages whose latest value the cache holds
         self.read_cached: set[int] = set()  # ... and that a re-run call has read since
         # storages made outside the region that it writes in place: id -> their
         # contents when the region first wrote them (= at the region's start)
         self.outside: dict[int, torch.UntypedStorage] = {}
 
     # --------------------------------------------------------- forward
-    # SAC asks its policy about each op call: after running it (torch >= 2.13,
-    # the context carries ``op_output``) or before (earlier versions).  Either
-    # way the decision rests on what is known before the call runs (its index,
-    # name and inputs) and the bookkeeping on its outputs is done once it ran.
-
-    def forward_op(self, func, args, kwargs):
-        """Beneath SAC's caching mode: note reads and outside writes, run the op."""
-        kind = op_kind(func)
-        if kind.ignored:
-            return func(*args, **kwargs)
+    def forward_op(self, func, kind, args, kwargs):
+        """One op call of the forward (not one of ``SAC_IGNORED_OPS``): run it,
+        check it against the plan, note what it read and wrote, and cache its
+        outputs where the plan saves it."""
+        i = self.n
+        self.n = i + 1
+        self.funcs.append(func)
         storages = arg_storages(args, kwargs)
-        deps = tuple(self.flow.reads(args, kwargs, storages))
-        written = kind.written_tensors(args, kwargs) if kind.written else []
-        writes = []
-        for value in written:
-            st = value.untyped_storage()
-            writes.append(id(st))
-            if id(st) in self.read_cached and self.unsafe is None:
-                self.unsafe = (f"{kind.name} (op call #{self.n}) wrote a cached output in place "
-                               "after an op the replay re-runs had read it")
-            if id(st) not in self.outside and not self.flow.produced_here(value):
-                self.outside[id(st)] = st.clone()
-        out = func(*args, **kwargs)
-        self.flow.record(self.n, func, args, kwargs, out, storages, written)
-        pending, self.pending = self.pending, None
-        if pending is not None and pending[0] == self.n and pending[1] is func:  # SAC asked before the call
-            self._note_outputs(self.n, kind, pending[2], out, storages, writes)
+        if kind.written:
+            written = kind.written_tensors(args, kwargs)
+            writes = [self._note_write(i, kind, value) for value in written]
         else:
-            self.last = (self.n, func, deps, out, storages, writes)
-        self.n += 1
+            written = writes = ()
+        out = func(*args, **kwargs)
+        deps = self.flow.step(i, kind, storages, out, written)
+        if self.differs is None:
+            calls = self.policy.calls
+            if i >= len(calls) or calls[i][0] != kind.name or calls[i][1] != deps:
+                self._depart_at(i, kind.name, deps)
+        if self.differs is None:
+            if i in self.policy.save:
+                self.cache[i] = tree_map(_detach, out)
+                outs = [id(t.untyped_storage()) for t in tensors_in(out)]
+                self.cached.update(outs)
+                self.read_cached.difference_update(outs)
+                return out
+            if i in self.policy.skip:
+                self.shapes[i] = _shape_of(out)
+                skip = True
+            else:
+                skip = False
+        else:
+            skip = False
+        cached = self.cached
+        if cached:
+            if not skip:
+                for st in storages:
+                    if id(st) in cached:
+                        self.read_cached.add(id(st))
+            if writes and self.unsafe is None and any(w in cached for w in writes):
+                # the cached value already holds this write: the replay would write it twice
+                self.unsafe = f"{kind.name} (op call #{i}), re-run in the replay, writes a cached output in place"
         return out
 
-    def policy_fn(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
-        """SAC's question about an op call: the one :meth:`forward_op` just
-        ran, or, where SAC asks first, the one it is about to run (and, in
-        torch < 2.13, again when backward re-runs it: the same answer)."""
-        if ctx.is_recompute:
-            k = self.asked_again[id(func)]
-            self.asked_again[id(func)] = k + 1
-            answers = self.answers.get(id(func), ())
-            return answers[k] if k < len(answers) else CheckpointPolicy.PREFER_RECOMPUTE
-        if not hasattr(ctx, "op_output"):  # asked before the call runs
-            decision = self._decide(self.n, func, tuple(self.flow.reads(args, kwargs)))
-            self.pending = (self.n, func, decision)
-            return decision
-        if self.last is None or self.last[1] is not func:  # cannot happen: keep the region correct anyway
-            self._depart("ops", "ran op calls that could not be followed")
-            self.answers[id(func)].append(CheckpointPolicy.PREFER_RECOMPUTE)
-            return CheckpointPolicy.PREFER_RECOMPUTE
-        i, _, deps, out, reads, writes = self.last
-        self.last = None
-        decision = self._decide(i, func, deps)
-        self._note_outputs(i, op_kind(func), decision, out, reads, writes)
-        return decision
-
-    def _decide(self, i: int, func, deps: tuple) -> CheckpointPolicy:
-        """Save or recompute op call ``i``; notes where the call departs from the trace."""
-        name = op_kind(func).name
+    def _depart_at(self, i: int, name: str, deps: tuple) -> None:
+        """Note how op call ``i`` departs from the traced one at its position."""
         calls = self.policy.calls
-        if self.differs is None:
-            if i >= len(calls):
-                self._depart("ops", f"ran more op calls than traced ({name} as call #{i})")
-            elif calls[i][0] != name:
-                self._depart("ops", f"ran {name} as op call #{i} where the trace ran {calls[i][0]}")
-            elif calls[i][1] != deps:
-                self._depart("flow", f"ran op call #{i} ({name}) on other results than in the trace")
-        decision = CheckpointPolicy.MUST_SAVE if self.differs is None and i in self.policy.save \
-            else CheckpointPolicy.PREFER_RECOMPUTE
-        self.answers[id(func)].append(decision)
-        return decision
+        if i >= len(calls):
+            self._depart("ops", f"ran more op calls than traced ({name} as call #{i})")
+        elif calls[i][0] != name:
+            self._depart("ops", f"ran {name} as op call #{i} where the trace ran {calls[i][0]}")
+        else:
+            self._depart("flow", f"ran op call #{i} ({name}) on other results than in the trace")
 
-    def _note_outputs(self, i: int, kind, decision, out, reads: list, writes: list[int]) -> None:
-        """What the replay needs to know of call ``i`` once it ran (``reads``: its arguments' storages)."""
-        outs = [id(t.untyped_storage()) for t in tensors_in(out)]
-        if decision == CheckpointPolicy.MUST_SAVE:
-            self.cached.update(outs)
-            self.read_cached.difference_update(outs)
-            return
-        skip = self.differs is None and i in self.policy.skip
-        if not skip and self.cached:
-            self.read_cached.update(id(st) for st in reads if id(st) in self.cached)
-        if self.unsafe is None and any(w in self.cached for w in writes):
-            # the cached value already holds this write: the replay would write it twice
-            self.unsafe = f"{kind.name} (op call #{i}), re-run in the replay, writes a cached output in place"
-        self.rerun[kind.name].append(_shape_of(out) if skip else None)
+    def _note_write(self, i: int, kind, value: torch.Tensor) -> int:
+        """Before op call ``i`` writes ``value`` in place: keep a tensor made
+        outside the region as it was, and catch a write into a cached output
+        that a re-run call has read.  Returns the storage's id."""
+        st = value.untyped_storage()
+        if id(st) in self.read_cached and self.unsafe is None:
+            self.unsafe = (f"{kind.name} (op call #{i}) wrote a cached output in place "
+                           "after an op the replay re-runs had read it")
+        if id(st) not in self.outside and not self.flow.produced_here(value):
+            self.outside[id(st)] = st.clone()
+        return id(st)
 
     def _depart(self, kind: str, what: str) -> None:
         self.differs, self.kind = what, kind
@@ -221,8 +200,9 @@ class RegionCall:
         if self.differs is None and self.n < len(self.policy.calls):
             self._depart("ops", f"ran {self.n} op calls where the trace ran {len(self.policy.calls)}")
         self.flow = None  # its weak references are no longer needed
-        self.last = self.pending = None
         self.cached = self.read_cached = set()
+        if self.differs is not None:
+            self.shapes = {}  # a later call departed: one it reads may be a skipped one
         if self.differs is None or self.state.grew():
             return  # matched, or a first call that built lazy state (later calls match the steady-state trace)
         self.policy.warn(self.kind, (
@@ -232,28 +212,31 @@ class RegionCall:
             "the plan stay checkpointed as planned; re-plan with the inputs you run."
         ))
 
-    @property
-    def may_skip(self) -> bool:
-        return self.differs is None
-
     # ---------------------------------------------------------- replay
-    def replay_op(self, func, args, kwargs, counts: dict[str, int], local: dict):
-        """Beneath SAC's recompute mode: skip dead calls; reads and writes of
-        outside tensors the region writes go to ``local``, the replay's own copy
-        of them as they were at the region's start."""
-        self.check_replayable()
+    def replay_op(self, func, kind, args, kwargs, k: int, local: dict, keep: bool):
+        """Op call ``k`` of the replay (not one of ``SAC_IGNORED_OPS``): the
+        cached outputs where the forward saved it (new aliases where the
+        backward retains the graph: ``keep``), an empty tensor where it is
+        dead, else the op re-run.  Reads and writes of outside tensors the
+        region writes go to ``local``, the replay's own copy of them as they
+        were at the region's start."""
+        if k >= len(self.funcs) or self.funcs[k] is not func:
+            ran = self.funcs[k].__name__ if k < len(self.funcs) else "nothing"
+            raise RuntimeError(
+                f"autosac: module '{self.policy.fqn}' replayed {func.__name__} as op call #{k} where its forward "
+                f"ran {ran}: its forward depends on state that changed before the backward (a global flag, "
+                "a tensor's values read in Python). Keep that state fixed between forward and backward, or "
+                "unapply the plan"
+            )
+        if k in self.cache:
+            if keep:
+                return tree_map(_detach, self.cache[k])
+            return self.cache.pop(k)  # handed to this replay only: freed as soon as it no longer needs it
+        shape = self.shapes.get(k)
+        if shape is not None and not kind.view and not kind.written and not kind.random:
+            return _empty_like_shape(shape)
         if self.outside:
             args, kwargs = tree_map(lambda a: self._local_view(a, local), (args, kwargs))
-        kind = op_kind(func)
-        if kind.ignored:
-            return func(*args, **kwargs)
-        name = kind.name
-        k = counts[name]
-        counts[name] = k + 1
-        queue = self.rerun.get(name, ())
-        shape = queue[k] if k < len(queue) else None
-        if shape is not None and self.may_skip and not kind.view and not kind.written and not kind.random:
-            return _empty_like_shape(shape)
         return func(*args, **kwargs)
 
     def check_replayable(self) -> None:
@@ -282,12 +265,11 @@ class RegionCall:
 
         A region that recomputes everything and writes nothing made outside
         (as traced) needs no per-op work: the forward runs as is and the
-        replay only swaps the Python state in.  Others get selective
-        checkpointing with the dispatch modes the module docstring describes."""
+        replay only swaps the Python state in.  Others run under one dispatch
+        mode each way, :class:`_Forward` and :class:`_Replay`."""
         if self.policy.plain:
             return contextlib.nullcontext(), _StateSwap(self)
-        forward, recompute = create_selective_checkpoint_contexts(self.policy_fn, allow_cache_entry_mutation=True)
-        return _Nested(_Forward(self), forward), _Nested(_Replay(self, recompute), recompute)
+        return _Forward(self), _Replay(self)
 
     def wrap(self, fn, args: tuple, kwargs: dict):
         """``fn`` with ``kwargs`` bound, and positional tensors that were one
@@ -315,37 +297,52 @@ class RegionCall:
         return run
 
 
-class _Forward(TorchDispatchMode):
+class _RegionMode(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ to keep Dynamo out of it, at a
+        # cost on every op call; these modes only ever run inside
+        # torch.utils.checkpoint's forward and recompute, which already keep it out
+        return False
+
+
+class _Forward(_RegionMode):
+    """The selective forward: every op call, once, through :meth:`RegionCall.forward_op`."""
+
     def __init__(self, call: RegionCall) -> None:
         super().__init__()
         self.call = call
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return self.call.forward_op(func, args, kwargs or {})
+        kind = op_kind(func)
+        if kind.ignored:
+            return func(*args, **(kwargs or {}))
+        return self.call.forward_op(func, kind, args, kwargs or {})
 
 
-class _Replay(TorchDispatchMode):
-    """Entered once per replay: the forward's starting Python state is swapped
-    in for its duration, the calls are counted from the start, and in a
-    backward that retains the graph SAC's cache is left as it was found."""
+class _Replay(_RegionMode):
+    """The selective replay: entered once per backward that recomputes the
+    call; the forward's starting Python state is swapped in for its duration
+    and its op calls are counted from the start.  A backward that retains the
+    graph (``retain_graph=True``, ``create_graph=True``) leaves the cache as
+    it found it, so the next one replays from the same cached outputs; one
+    that frees the graph hands each cached output over and drops it."""
 
-    def __init__(self, call: RegionCall, recompute) -> None:
+    def __init__(self, call: RegionCall) -> None:
         super().__init__()
         self.call = call
-        # SAC's cache, shared by its two modes: per op, its calls' cached outputs
-        # (a dict by call index in torch >= 2.13, a list before)
-        self.cache = getattr(recompute, "storage", None)
-        self.counts: dict[str, int] = defaultdict(int)
+        self.k = 0
+        self.keep = False
         self.local: dict = {}
-        self.after: State | None = None
-        self.kept: list = []
+        self.after: list[State] = []
 
     def __enter__(self):
-        self.counts = defaultdict(int)
+        self.call.check_replayable()
+        self.k = 0
         self.local = {}
-        self.call.asked_again.clear()  # torch < 2.13 asks again in each replay, from the first call on
-        self.kept.append(_keep(self.cache))
-        self.after = self.call.state.recapture()
+        # outside a backward (Python reading a grad_fn's saved tensor) the graph is kept, and so is the cache
+        self.keep = torch._C._autograd._get_current_graph_task_keep_graph()
+        self.after.append(self.call.state.recapture())
         self.call.state.install()
         return super().__enter__()
 
@@ -353,54 +350,26 @@ class _Replay(TorchDispatchMode):
         try:
             return super().__exit__(*exc)
         finally:
-            _restore(self.cache, self.kept.pop())
-            self.after.install()
-            self.after = None
+            self.after.pop().install()
             self.local = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return self.call.replay_op(func, args, kwargs or {}, self.counts, self.local)
+        kind = op_kind(func)
+        if kind.ignored:
+            return func(*args, **(kwargs or {}))
+        k = self.k
+        self.k = k + 1
+        return self.call.replay_op(func, kind, args, kwargs or {}, k, self.local, self.keep)
 
 
-def _keep(cache):
-    """SAC's cache as it is, where the backward about to replay retains the graph.
-
-    PyTorch's SAC hands each cached output to one replay only (it marks the
-    entry consumed, to free it early), so the next backward through a retained
-    graph would raise "Trying to backward an extra time".  A backward that
-    retains the graph keeps the region's saved tensors anyway: a copy of the
-    cache made of new aliases of the same tensors (no data copied), put back by
-    :func:`_restore` once the replay ended, lets the next backward replay from
-    the same outputs.  New aliases, as the replay gives autograd history to the
-    tensors it is handed, and a cached view handed out twice would refuse it.
-    A backward that frees the graph consumes the cache as PyTorch does: nothing
-    is held longer.  Outside a backward (Python reading a ``grad_fn``'s saved
-    tensor) the graph is kept, and so is the cache."""
-    if not cache or not torch._C._autograd._get_current_graph_task_keep_graph():
-        return None
-    return {key: _fresh(entries) for key, entries in cache.items()}
-
-
-def _fresh(entries):
-    """A copy of one op's cache entries (a dict by call index, or a list),
-    each cached tensor a new alias with no autograd history."""
-    def alias(leaf):
-        val = getattr(leaf, "val", None)  # SAC wraps each cached tensor with its version
-        if not isinstance(val, torch.Tensor):
-            return leaf
-        leaf = copy.copy(leaf)
-        leaf.val = val.detach()
-        return leaf
-
-    if isinstance(entries, dict):
-        return {i: tree_map(alias, e) for i, e in entries.items()}
-    return [tree_map(alias, e) for e in entries]
-
-
-def _restore(cache, kept) -> None:
-    if kept is not None:
-        cache.clear()
-        cache.update(kept)
+def _detach(x):
+    """A new alias of a cached output with no autograd history, sharing its
+    version counter (a view made beneath autograd would not, unless its
+    in-place-or-view key runs), so a later write to it shows."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return x.detach()
 
 
 class _StateSwap:
@@ -419,25 +388,6 @@ class _StateSwap:
 
     def __exit__(self, *exc):
         self.after.pop().install()
-
-
-class _Nested:
-    """Enter ``below`` then ``above`` (so ``above`` sees each op first);
-    re-enterable, as a second backward or ``create_graph`` may replay again."""
-
-    def __init__(self, below, above) -> None:
-        self.below, self.above = below, above
-        self._stacks: list[contextlib.ExitStack] = []
-
-    def __enter__(self):
-        stack = contextlib.ExitStack()
-        stack.enter_context(self.below)
-        stack.enter_context(self.above)
-        self._stacks.append(stack)
-        return self
-
-    def __exit__(self, *exc):
-        return self._stacks.pop().__exit__(*exc)
 
 
 @dataclass(frozen=True)

@@ -226,11 +226,10 @@ class CostModel:
         return self.with_host(ms), flops
 
     def with_host(self, kernel_ms: float) -> float:
-        """An op call's time with the host's: on a GPU the two overlap (the
-        longer counts: a short kernel waits for the next op to be issued);
-        on the CPU they add up."""
-        host_ms = self.host.op_us / 1e3
-        return kernel_ms + host_ms if self.spec.device_type == "cpu" else max(kernel_ms, host_ms)
+        """An op call's time with the host's (:meth:`autosac.host.HostCosts.op_ms`):
+        on a GPU the two overlap (the longer counts: a short kernel waits for
+        the next op to be issued); on the CPU they add up."""
+        return self.host.op_ms(kernel_ms, self.spec.device_type, timed=self.spec.measured)
 
     def _kernel_ms(self, func, args, kwargs, out) -> tuple[float, int]:
         if is_view_op(func):
