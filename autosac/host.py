@@ -37,14 +37,13 @@ the trace, for its figures.
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 
-CACHE_KEY = "host-costs-v7"  # bump when the micro-benchmark changes
+CACHE_KEY = "host-costs-v8"  # bump when the micro-benchmark changes
 _FIELDS = ("op_us", "checkpoint_call_us", "saved_tensor_us", "selective_op_us", "untimed_op_us")
 
 
@@ -101,13 +100,15 @@ def calibrate(force: bool = False) -> HostCosts:
     """This machine's :class:`HostCosts`, measured once and cached (on disk
     with the CPU op timings, in memory for the process).
 
-    The micro-benchmark: 6 regions of small pre-norm transformer blocks
-    (attention and MLP, width 64; one block a region, then three: two sizes
-    of checkpointed call, which tell the per-call cost from the
-    per-saved-tensor one) on a 2x32 batch, forward and backward, timed plain,
-    with every region checkpointed whole, and (one block) with every region
+    The micro-benchmark, on a 2x32 batch of width 64, forward and backward:
+    6 regions of one small pre-norm transformer block (attention and MLP)
+    timed plain, with every region checkpointed whole, and with every region
     checkpointed selectively (its first matmul cached, the rest recomputed);
-    medians of interleaved rounds, about a second.
+    6 regions of three such blocks and 24 regions of one Linear each (two
+    sizes of checkpointed call, which tell the per-call cost from the
+    per-saved-tensor one), checkpointed whole; each model also with each
+    region's forward run twice (what a checkpoint re-runs, without its
+    machinery).  The least times of interleaved rounds; a few seconds.
 
     Example::
 
@@ -154,6 +155,19 @@ class _Block(nn.Module):
         return x
 
 
+class _Twice(nn.Module):
+    """Runs its region's forward twice, the first result dropped: what a
+    checkpointed call re-runs, without the checkpoint's machinery."""
+
+    def __init__(self, region: nn.Module) -> None:
+        super().__init__()
+        self.region = region
+
+    def forward(self, x):
+        self.region(x)
+        return self.region(x)
+
+
 class _Layer(nn.Module):
     def __init__(self, width: int, heads: int = 4) -> None:
         super().__init__()
@@ -171,31 +185,40 @@ class _Layer(nn.Module):
         return x + self.out(torch.nn.functional.gelu(self.fc(self.ln_2(x))))
 
 
-def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, rounds: int = 5) -> HostCosts:
+def _tiny(width: int) -> nn.Module:
+    """A region of one small Linear and a GELU: a checkpointed call that is
+    nearly all per-call cost (it saves three tensors)."""
+    return nn.Sequential(nn.Linear(width, width), nn.GELU())
+
+
+def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, rounds: int = 4) -> HostCosts:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         x = torch.randn(batch, seq, width)
-        shallow = _calibration_models(1, regions, width, x, selective=True)
-        deep = _calibration_models(3, regions, width, x, selective=False)
-    # one timing run, rounds interleaved across both sizes: drift hits them alike
-    times = _timed({**{("shallow", k): m for k, m in shallow["variants"].items()},
-                    **{("deep", k): m for k, m in deep["variants"].items()}}, x, rounds)
-    shallow = _figures(shallow, {k: t for (size, k), t in times.items() if size == "shallow"})
-    deep = _figures(deep, {k: t for (size, k), t in times.items() if size == "deep"})
-    # per call: mechanism = call + saved * saved_tensor, from the two sizes of call
-    saved_us = max(0.0, (deep["mechanism_us"] - shallow["mechanism_us"]) / max(1, deep["saved"] - shallow["saved"]))
-    call_us = max(0.0, shallow["mechanism_us"] - shallow["saved"] * saved_us)
-    mechanism_us = call_us + shallow["saved"] * saved_us
-    selective_us = max(0.0, (shallow["selective_us"] - mechanism_us) / (2 * shallow["ops"]))
+        models = {
+            "shallow": _calibration_models(lambda: _Block(width, 1), regions, x, selective=True),
+            "deep": _calibration_models(lambda: _Block(width, 3), regions, x),
+            "tiny": _calibration_models(lambda: _tiny(width), 4 * regions, x),
+        }
+    # one timing run, rounds interleaved across the models: drift hits them alike
+    times = _timed({(size, k): m for size, setup in models.items() for k, m in setup["variants"].items()}, x, rounds)
+    got = {size: _figures(setup, {k: t for (s, k), t in times.items() if s == size}) for size, setup in models.items()}
+    shallow, deep, tiny = got["shallow"], got["deep"], got["tiny"]
+    # per call: mechanism = call + saved * saved_tensor; the tiny call is nearly all
+    # per-call cost, the deep one saves many tensors
+    saved_us = max(0.0, (deep["mechanism_us"] - tiny["mechanism_us"]) / max(1, deep["saved"] - tiny["saved"]))
+    call_us = max(0.0, tiny["mechanism_us"] - tiny["saved"] * saved_us)
+    selective_us = max(0.0, shallow["selective_us"] / (2 * shallow["ops"]))
     return HostCosts(op_us=round(shallow["op_us"], 3), checkpoint_call_us=round(call_us, 2),
                      saved_tensor_us=round(saved_us, 3), selective_op_us=round(selective_us, 3),
                      untimed_op_us=round(shallow["untimed_op_us"], 3))
 
 
-def _calibration_models(layers: int, blocks: int, width: int, x: torch.Tensor, selective: bool) -> dict:
-    """One calibration model (``blocks`` regions of ``layers`` transformer
-    blocks), its profile, and its variants: plain, every region checkpointed
-    whole, and (``selective``) every region caching its first matmul."""
+def _calibration_models(region, blocks: int, x: torch.Tensor, selective: bool = False) -> dict:
+    """One calibration model (``blocks`` regions, each made by ``region()``),
+    its profile, and its variants: plain (where ``selective``), each region's
+    forward run twice, every region checkpointed whole, and (``selective``)
+    every region caching its first matmul."""
     import copy
     import warnings
     from dataclasses import replace
@@ -204,16 +227,17 @@ def _calibration_models(layers: int, blocks: int, width: int, x: torch.Tensor, s
     from autosac.devices import DEVICES
     from autosac.solver import plan_from_decisions
 
-    model = nn.Sequential(*[_Block(width, layers) for _ in range(blocks)])
+    model = nn.Sequential(*[region() for _ in range(blocks)])
     # the trace times each op on this CPU (cached): the kernels' part of the step
     spec = replace(DEVICES["cpu"], host=HostCosts())  # zero host costs: no calibration inside the calibration
     stats = autosac.profile(model, x, target=spec, optimizer="none", output_held=False)
     whole = plan_from_decisions(stats, dict.fromkeys((str(i) for i in range(blocks)), 1.0))
-    variants = {"none": model}
+    variants = {"twice": nn.Sequential(*[_Twice(r) for r in copy.deepcopy(model)])}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         variants["whole"] = autosac.apply(copy.deepcopy(model), whole)
         if selective:  # the same regions, each caching its first matmul and recomputing the rest
+            variants["none"] = model
             partial = copy.deepcopy(whole)
             for d in partial.details.values():
                 d.save = [next(i for i, (op, _) in enumerate(d.calls) if op == "addmm")]
@@ -224,27 +248,32 @@ def _calibration_models(layers: int, blocks: int, width: int, x: torch.Tensor, s
 
 def _figures(setup: dict, times: dict[str, float]) -> dict:
     """One calibration model's figures from its timed variants: the host time
-    per op, and per checkpointed call (beyond re-running its ops) whole and selectively."""
+    per op, and per checkpointed call what the checkpoint adds beyond
+    re-running the forward (whole: against running each forward twice) and
+    what the selective path adds beyond that (against the whole path, less
+    the cached matmul it does not re-run).  Only differences of measured
+    times, but for that one matmul's traced time."""
     stats, blocks = setup["stats"], setup["blocks"]
     tl = stats.timeline
-    # the blocks are narrow: their kernels' compute is a small part of the step,
-    # which is nearly all host time (a slight overestimate of op_us)
-    op_us = times["none"] * 1e3 / len(tl.ops)
-    untimed_us = max(0.0, (times["none"] - stats.step_ms) * 1e3 / len(tl.ops))  # beyond the timed kernels
     w0, w1 = stats.modules["0"].fw_windows[0]
-    ops, saved = w1 - w0, stats.modules["0"].saved_tensors[0]
-    rerun_ms = stats.modules["0"].fw_ms + ops * untimed_us / 1e3  # a whole block's forward, again
-    out = {"op_us": op_us, "untimed_op_us": untimed_us, "ops": ops, "saved": saved,
-           "mechanism_us": ((times["whole"] - times["none"]) / blocks - rerun_ms) * 1e3}
+    out = {"ops": w1 - w0, "saved": stats.modules["0"].saved_tensors[0],
+           "mechanism_us": (times["whole"] - times["twice"]) / blocks * 1e3}
+    if "none" in times:
+        # the blocks are narrow: their kernels' compute is a small part of the step,
+        # which is nearly all host time (a slight overestimate of op_us)
+        out["op_us"] = times["none"] * 1e3 / len(tl.ops)
+        out["untimed_op_us"] = untimed_us = max(0.0, (times["none"] - stats.step_ms) * 1e3 / len(tl.ops))
     if "selective" in times:  # its replay: the whole forward but the cached matmul
         kept = next(e for e in range(w0, w1) if tl.ops[e] == "addmm")
-        replay_ms = rerun_ms - tl.ms[kept] - untimed_us / 1e3
-        out["selective_us"] = ((times["selective"] - times["none"]) / blocks - replay_ms) * 1e3
+        kept_us = tl.ms[kept] * 1e3 + untimed_us
+        out["selective_us"] = (times["selective"] - times["whole"]) / blocks * 1e3 + kept_us
     return out
 
 
 def _timed(variants: dict, x: torch.Tensor, rounds: int) -> dict:
-    """Median ms of a forward and backward per variant, rounds interleaved."""
+    """Least ms of a forward and backward per variant, over interleaved rounds
+    (the figures are differences of these: the least is the steadiest on a
+    shared machine, whose noise only adds time)."""
     samples: dict[str, list[float]] = {k: [] for k in variants}
 
     def step(m):
@@ -259,7 +288,7 @@ def _timed(variants: dict, x: torch.Tensor, rounds: int) -> dict:
                 t = time.perf_counter()
                 step(m)
                 samples[name].append((time.perf_counter() - t) * 1e3)
-    return {k: statistics.median(v) for k, v in samples.items()}
+    return {k: min(v) for k, v in samples.items()}
 
 
 __all__ = ["HostCosts", "calibrate", "host_costs"]
