@@ -75,20 +75,9 @@ class DataflowTracker:
     def reads(self, args, kwargs, storages: list | None = None) -> list[int]:
         """Sorted calls whose results a call with these arguments reads
         (``storages``: their tensors' storages, if the caller has them)."""
-        deps: set[int] = set()
-        for st in storages if storages is not None else arg_storages(args, kwargs):
-            entry = self._entry(st)
-            if entry is not None:
-                if entry[0] is not None:
-                    deps.add(entry[0])
-                deps.update(entry[1])
-        return sorted(deps)
+        return sorted(self._deps(storages if storages is not None else arg_storages(args, kwargs)))
 
-    def step(self, idx: int, kind, storages: list, out, written) -> tuple[int, ...]:
-        """:meth:`reads` then :meth:`record` for call ``idx``, which has run
-        (``kind``: its :class:`~autosac.opkinds.OpKind`; ``storages``: its
-        arguments'): the applier's one call per op, written for speed.
-        Returns the calls it read, sorted."""
+    def _deps(self, storages: list) -> set[int]:
         flow = self._flow
         deps: set[int] = set()
         for st in storages:
@@ -97,6 +86,15 @@ class DataflowTracker:
                 if entry[0] is not None:
                     deps.add(entry[0])
                 deps.update(entry[1])
+        return deps
+
+    def step(self, idx: int, kind, storages: list, out, written) -> tuple[int, ...]:
+        """:meth:`reads` then :meth:`record` for call ``idx``, which has run
+        (``kind``: its :class:`~autosac.opkinds.OpKind`; ``storages``: its
+        arguments'): the applier's one call per op, written for speed.
+        Returns the calls it read, sorted."""
+        flow = self._flow
+        deps = self._deps(storages)
         if not kind.view:
             for t in written:
                 st = _storage(t)
@@ -132,20 +130,8 @@ class DataflowTracker:
         kind = op_kind(func)
         if kind.view:
             return
-        flow = self._flow
-        for t in written if written is not None else kind.written_tensors(args, kwargs):
-            st = _storage(t)
-            if st is not None:
-                entry = self._entry(st)
-                if entry is None:
-                    entry = flow[id(st)] = [None, [], weakref.ref(st)]
-                entry[1].append(idx)
-        if storages is None:
-            storages = arg_storages(args, kwargs)
-        for t in tensors_in(out):
-            st = _storage(t)
-            if st is not None and self._entry(st) is None and all(st is not s for s in storages):
-                flow[id(st)] = [idx, [], weakref.ref(st)]
+        self.step(idx, kind, storages if storages is not None else arg_storages(args, kwargs), out,
+                  written if written is not None else kind.written_tensors(args, kwargs))
 
 
 def arg_storages(args, kwargs) -> list:
