@@ -596,3 +596,31 @@ def test_backwards_through_a_retained_graph_match_the_unmodified_model(dropout):
             expected, got = run(ref), run(model)
         for i, (a, b) in enumerate(zip(expected, got)):
             assert all(torch.equal(u, v) for u, v in zip(a, b)), (run.__name__, i)
+
+
+def test_a_module_called_twice_under_one_autocast_replays_the_weight_casts_its_forward_found_cached():
+    """Siamese use: the second call finds its weights' bf16 casts in
+    autocast's cache, its replay (under a fresh cache) casts them again; the
+    replay lets those casts through and the step stays bitwise."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)), nn.Linear(64, 8))
+    x1, x2 = torch.randn(64, 64), torch.randn(64, 64)
+    stats = autosac.profile(model, x1, target=A100_CPU_KERNELS, autocast=torch.bfloat16, output_held=False)
+    plan = plan_from_decisions(stats, {"0": 1.0})
+    d = plan.details["0"]
+    d.save = [next(i for i, (op, _) in enumerate(d.calls) if op == "addmm")]  # a selective region
+    ref = copy.deepcopy(model)
+    autosac.apply(model, plan)
+
+    def step(m):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = (m(x1).float() * m(x2).float()).sum()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in m.parameters()]
+
+    l0, g0 = step(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the second call departs from the traced one (no casts): said once
+        l1, g1 = step(model)
+    assert torch.equal(l0, l1)
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1))

@@ -24,7 +24,9 @@ plan's :attr:`~autosac.plan.Decision.calls` by position:
   replay raises instead of computing a wrong gradient.
 * **Replay.**  The same op calls again, in order, each checked to be the op
   the forward ran at that position (global state changed between forward and
-  backward raises rather than handing a cached output to the wrong op).
+  backward raises rather than handing a cached output to the wrong op); the
+  one extra op allowed is autocast casting a weight the forward found in
+  autocast's weight cache (a module called twice in one autocast region).
   Cached calls return their outputs; calls the plan marks dead (and only
   while the call matched the plan) return an empty tensor of the recorded
   shape; views, writes and random ops always run.  Outside tensors the region
@@ -102,6 +104,7 @@ class RegionCall:
         self.watched: list[tuple[torch.Tensor, int]] = []  # (tensor, its version) where plain
         self.n = 0  # op calls the forward ran (those a selective policy sees)
         self.funcs: list = []  # ... each one's op overload, for the replay to follow
+        self.weight_casts: set[int] = set()  # ... those that cast a weight under autocast
         self.cache: dict[int, object] = {}  # call index -> its outputs, detached, where the call is saved
         self.shapes: dict[int, object] = {}  # call index -> its outputs' shapes, where the replay may skip it
         self.differs: str | None = None  # how the call first departed from the plan
@@ -121,6 +124,8 @@ class RegionCall:
         i = self.n
         self.n = i + 1
         self.funcs.append(func)
+        if func is _TO_COPY and _autocast_weight_cast(func, args):
+            self.weight_casts.add(i)
         storages = arg_storages(args, kwargs)
         if kind.written:
             written = kind.written_tensors(args, kwargs)
@@ -213,6 +218,10 @@ class RegionCall:
         ))
 
     # ---------------------------------------------------------- replay
+    def ran(self, k: int, func) -> bool:
+        """Whether the forward ran ``func`` as its op call ``k``."""
+        return k < len(self.funcs) and self.funcs[k] is func
+
     def replay_op(self, func, kind, args, kwargs, k: int, local: dict, keep: bool):
         """Op call ``k`` of the replay (not one of ``SAC_IGNORED_OPS``): the
         cached outputs where the forward saved it (new aliases where the
@@ -220,7 +229,7 @@ class RegionCall:
         dead, else the op re-run.  Reads and writes of outside tensors the
         region writes go to ``local``, the replay's own copy of them as they
         were at the region's start."""
-        if k >= len(self.funcs) or self.funcs[k] is not func:
+        if not self.ran(k, func):
             ran = self.funcs[k].__name__ if k < len(self.funcs) else "nothing"
             raise RuntimeError(
                 f"autosac: module '{self.policy.fqn}' replayed {func.__name__} as op call #{k} where its forward "
@@ -297,16 +306,7 @@ class RegionCall:
         return run
 
 
-class _RegionMode(TorchDispatchMode):
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # torch wraps a mode's __torch_dispatch__ to keep Dynamo out of it, at a
-        # cost on every op call; these modes only ever run inside
-        # torch.utils.checkpoint's forward and recompute, which already keep it out
-        return False
-
-
-class _Forward(_RegionMode):
+class _Forward(TorchDispatchMode):
     """The selective forward: every op call, once, through :meth:`RegionCall.forward_op`."""
 
     def __init__(self, call: RegionCall) -> None:
@@ -320,7 +320,7 @@ class _Forward(_RegionMode):
         return self.call.forward_op(func, kind, args, kwargs or {})
 
 
-class _Replay(_RegionMode):
+class _Replay(TorchDispatchMode):
     """The selective replay: entered once per backward that recomputes the
     call; the forward's starting Python state is swapped in for its duration
     and its op calls are counted from the start.  A backward that retains the
@@ -355,11 +355,24 @@ class _Replay(_RegionMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kind = op_kind(func)
-        if kind.ignored:
+        if kind.ignored or (_autocast_weight_cast(func, args) and self.k not in self.call.weight_casts):
+            # the replay's fresh autocast cache casts a weight the forward found
+            # cast already (a module called twice in one autocast region): the same values
             return func(*args, **(kwargs or {}))
         k = self.k
         self.k = k + 1
         return self.call.replay_op(func, kind, args, kwargs or {}, k, self.local, self.keep)
+
+
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+def _autocast_weight_cast(func, args) -> bool:
+    """A cast of a weight (a leaf that requires grad) that autocast's weight
+    cache keeps: the forward may have found it cached (a module called twice
+    in one autocast region) where the replay, under a fresh cache, casts it."""
+    return (func is _TO_COPY and bool(args) and isinstance(args[0], torch.Tensor) and args[0].is_leaf
+            and args[0].requires_grad and torch.is_autocast_cache_enabled())
 
 
 def _detach(x):
