@@ -63,15 +63,21 @@ def _wrapped(model, context_fn=None):
     return m
 
 
-def main() -> None:
-    name = sys.argv[1] if len(sys.argv) > 1 else "gpt2"
-    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 8
+def setup(default: str, default_rounds: int):
+    """The model named on the command line (``argv[1]``), built and profiled
+    for this CPU on one thread: ``(name, rounds, cfg, model, idx, stats)``."""
+    name = sys.argv[1] if len(sys.argv) > 1 else default
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else default_rounds
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     builder, cfg = CONFIGS[name]
     torch.manual_seed(0)
     model, idx = build_model(builder, device="cpu", **cfg)
-    stats = autosac.profile(model, idx, target="cpu", optimizer="none")
+    return name, rounds, cfg, model, idx, autosac.profile(model, idx, target="cpu", optimizer="none")
+
+
+def main() -> None:
+    name, rounds, cfg, model, idx, stats = setup("gpt2", 8)
     plans = {}
     for budget in ("90%", "70%", "50%", "least"):
         try:

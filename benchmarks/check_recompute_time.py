@@ -13,18 +13,16 @@ import copy
 import statistics
 import sys
 import time
-import warnings
 from collections import defaultdict
 
 import torch
 
 import autosac
-from autosac.models import build_model
 from autosac.optim import default_loss
 from autosac.solver import plan_from_decisions
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_dispatch_overhead import CONFIGS  # noqa: E402
+from bench_dispatch_overhead import setup  # noqa: E402
 
 
 def _step(m, idx):
@@ -33,14 +31,7 @@ def _step(m, idx):
 
 
 def main() -> None:
-    name = sys.argv[1] if len(sys.argv) > 1 else "gpt2-512"
-    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
-    torch.set_num_threads(1)
-    warnings.simplefilter("ignore")
-    builder, cfg = CONFIGS[name]
-    torch.manual_seed(0)
-    model, idx = build_model(builder, device="cpu", **cfg)
-    stats = autosac.profile(model, idx, target="cpu", optimizer="none")
+    name, rounds, cfg, model, idx, stats = setup("gpt2-512", 3)
     blocks = [f for f in stats.modules if f.count(".") == 1 and f.split(".")[0] in ("blocks", "layers")]
     plan = plan_from_decisions(stats, dict.fromkeys(blocks, 1.0))
     whole = autosac.apply(copy.deepcopy(model), plan)

@@ -124,7 +124,7 @@ class RegionCall:
         i = self.n
         self.n = i + 1
         self.funcs.append(func)
-        if func is _TO_COPY and _autocast_weight_cast(func, args):
+        if func is _TO_COPY and _autocast_weight_cast(args):
             self.weight_casts.add(i)
         storages = arg_storages(args, kwargs)
         if kind.written:
@@ -355,7 +355,7 @@ class _Replay(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kind = op_kind(func)
-        if kind.ignored or (_autocast_weight_cast(func, args) and self.k not in self.call.weight_casts):
+        if kind.ignored or (func is _TO_COPY and _autocast_weight_cast(args) and self.k not in self.call.weight_casts):
             # the replay's fresh autocast cache casts a weight the forward found
             # cast already (a module called twice in one autocast region): the same values
             return func(*args, **(kwargs or {}))
@@ -367,12 +367,13 @@ class _Replay(TorchDispatchMode):
 _TO_COPY = torch.ops.aten._to_copy.default
 
 
-def _autocast_weight_cast(func, args) -> bool:
-    """A cast of a weight (a leaf that requires grad) that autocast's weight
-    cache keeps: the forward may have found it cached (a module called twice
-    in one autocast region) where the replay, under a fresh cache, casts it."""
-    return (func is _TO_COPY and bool(args) and isinstance(args[0], torch.Tensor) and args[0].is_leaf
-            and args[0].requires_grad and torch.is_autocast_cache_enabled())
+def _autocast_weight_cast(args) -> bool:
+    """Whether a ``_to_copy`` with these arguments casts a weight (a leaf that
+    requires grad) that autocast's weight cache keeps: the forward may have
+    found it cached (a module called twice in one autocast region) where the
+    replay, under a fresh cache, casts it."""
+    return (bool(args) and isinstance(args[0], torch.Tensor) and args[0].is_leaf and args[0].requires_grad
+            and torch.is_autocast_cache_enabled())
 
 
 def _detach(x):
