@@ -32,6 +32,7 @@ def solve(
     max_choices: int = 16,
     presolve: bool = True,
     compile: str | None = None,
+    routing="balanced",
 ) -> Plan:
     """Pick which modules to checkpoint, and how much of each one's activations
     to discard, so the step's peak fits ``budget`` with the least recompute time.
@@ -39,7 +40,8 @@ def solve(
     Args:
         model_or_stats: an ``nn.Module`` (profiled here with ``example_inputs``,
             ``loss_fn``, ``optimizer``, ``target``, ``world_size``, ``param_dtype``,
-            ``reduce_dtype``, ``autocast``, ``shard_units``, ``output_held``: see :func:`autosac.profile`) or a
+            ``reduce_dtype``, ``autocast``, ``shard_units``, ``output_held``, ``routing``: see
+            :func:`autosac.profile`) or a
             :class:`ModelStats` from :func:`autosac.profile` (profile once, solve many).
         budget: ``"8GiB"``, ``"500MB"``, ``"60%"`` of the unconstrained peak,
             ``"least"`` (the least peak any plan reaches, with the least recompute
@@ -96,7 +98,7 @@ def solve(
             raise ValueError("solve(model, ...) needs example_inputs= to profile the model (or pass a ModelStats)")
         stats = profile(model_or_stats, example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                         target=target, world_size=world_size, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                        autocast=autocast, shard_units=shard_units, output_held=output_held)
+                        autocast=autocast, shard_units=shard_units, output_held=output_held, routing=routing)
     if compile is None:
         return solve_budget(stats, budget, solver=solver, time_limit_s=time_limit_s, reserve=reserve,
                             max_choices=max_choices, presolve=presolve)

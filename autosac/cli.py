@@ -20,7 +20,8 @@ _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt2", help="built-in name (gpt2, llama-7b, ...), hf:NAME (hf:llama, hf:gpt2, hf:bert, hf:mistral, "
-                        "hf:qwen2, hf:qwen3: a transformers config, no download) or package.module:factory")
+                        "hf:qwen2, hf:qwen3, hf:mixtral, hf:qwen3_moe: a transformers config, no download) or "
+                        "package.module:factory")
     p.add_argument("--model-arg", action="append", default=[], metavar="K=V", help="config override, repeatable")
     p.add_argument("--batch", type=_positive_int, default=None)
     p.add_argument("--seq", type=_positive_int, default=None)
@@ -42,6 +43,9 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drop-output", action="store_true",
                    help="plan for a loop that drops the model's output at the loss (loss_fn(model(x)).backward()); "
                         "default: `out = model(x)` held through backward (verify runs the plan's own loop)")
+    p.add_argument("--routing", default="balanced", metavar="ROUTING",
+                   help="mixture-of-experts models: the routing to plan for: balanced (default), worst, or a "
+                        "capacity factor such as 1.25 (the busiest experts get 1.25x the balanced load)")
     p.add_argument("--solver", default="cbc", choices=["cbc", "highs"])
     p.add_argument("--time-limit", type=_positive_float, default=60.0, help="seconds for the solver")
     p.add_argument("--quiet", action="store_true", help="no progress lines (they are shown only on a terminal)")
@@ -106,7 +110,7 @@ def _profile(args):
     with _Progress(args.quiet).stage(f"profiling {type(model).__name__} (one training step in fake mode)"):
         stats = autosac.profile(model, inputs, optimizer=args.optimizer, target=args.target,
                                 world_size=args.world_size, shard_units=args.shard_units,
-                                output_held=not args.drop_output, **dtypes)
+                                output_held=not args.drop_output, routing=args.routing, **dtypes)
     if args.downcast_gather:
         stats = autosac.zero3.with_downcast_gather(stats, dtypes["autocast"])
     return stats, model, inputs

@@ -109,6 +109,9 @@ class Plan:
     mechanism_ms: float = 0.0  # of recompute_ms: what the checkpointing machinery costs the host (autosac.host)
     # the traced step saved parameter casts (autocast's weight copies): apply keeps them from being saved
     param_casts: bool = True
+    # mixture-of-experts routing the plan assumes (ModelStats.routing: the assumption and the routing
+    # decisions traced); {} for a model that routes nothing
+    routing: dict = field(default_factory=dict)
     format: int = PLAN_FORMAT
 
     @property

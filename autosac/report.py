@@ -26,6 +26,7 @@ def plan_table(plan) -> str:
         *([f"downcast gather  {len(plan.gathered_dtypes)} parameters gathered in "
            f"{', '.join(sorted(set(plan.gathered_dtypes.values())))} (autosac.zero3.install_downcast_gather)"]
           if plan.gathered_dtypes else []),
+        *([f"MoE routing      {routing_line(plan.routing)}"] if plan.routing else []),
         f"baseline peak    {format_bytes(plan.baseline_peak_bytes)}",
         f"planned peak     {format_bytes(plan.predicted_peak_bytes)}"
         + (f" under torch.compile(backend={plan.compiled.get('backend')!r}); eager "
@@ -37,6 +38,18 @@ def plan_table(plan) -> str:
         f"{s.get('seconds') or 0:.2f} s",
     ]
     return "\n".join(lines)
+
+
+def routing_line(routing: dict) -> str:
+    """``balanced, 4 routing decisions (2 of 8 experts per token, 1024 tokens)``."""
+    a = routing.get("assumption", {})
+    kind = a.get("kind", "balanced")
+    factor = a.get("capacity_factor")
+    what = f"capacity factor {factor:g}" if kind == "capacity" else kind
+    calls = routing.get("routers", [])
+    shapes = sorted({(c["top_k"], c["experts"], c["tokens"]) for c in calls})
+    each = "; ".join(f"{k} of {n} experts per token, {t} tokens" for k, n, t in shapes)
+    return f"{what}, assumed at {len(calls)} routing decision{'s' if len(calls) != 1 else ''} ({each})"
 
 
 def _op_list(labels: list[str], shown: int = 4) -> str:

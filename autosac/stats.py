@@ -110,6 +110,9 @@ class ModuleStats:
     tradeoff_exact_points: int = 0
     # per forward call: tensors autograd saved inside it (each costs a checkpoint's hooks, autosac.host)
     saved_tensors: list[int] = field(default_factory=list)
+    # its forward reads tensors derived from an MoE routing decision (autosac.trace.routing): how many
+    # op calls it runs, and their sizes, follow the routing, so it is checkpointed only whole and plainly
+    routed: bool = False
 
     @property
     def is_leaf(self) -> bool:
@@ -209,6 +212,9 @@ class ModelStats:
     gathered_dtypes: dict[str, str] = field(default_factory=dict)
     # the loop traced (autosac.loop): the model's output alive to the step's end (True) or dropped at the loss
     output_held: bool = True
+    # mixture-of-experts routing the trace assumed (autosac.trace.routing): {"assumption": {"kind",
+    # "capacity_factor"}, "routers": [{"op", "module", "tokens", "top_k", "experts"}, ...]}; {} without routing
+    routing: dict = field(default_factory=dict)
     format: int = STATS_FORMAT
 
     def to_json(self) -> str:

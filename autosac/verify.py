@@ -3,7 +3,9 @@ predicted against measured peak bytes and step time."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import math
 
 import torch
 
@@ -39,6 +41,7 @@ def verify_plan_file(args) -> int:
     model, inputs = build_from_spec(args.model, args.model_arg, args.batch, args.seq, device=device)
     amp = getattr(torch, plan.autocast) if plan.autocast else None
     loop = dict(steps=args.steps, optimizer=plan.optimizer, autocast=amp, output_held=plan.output_held)
+    baseline_model = copy.deepcopy(model)
     baseline = autosac.measure(copy.deepcopy(model), inputs, **loop)
     autosac.apply(model, plan)
     run = model
@@ -65,8 +68,43 @@ def verify_plan_file(args) -> int:
     elif device == "cuda":
         print(f"(measured on {torch.cuda.get_device_name()}; predicted for {plan.target})")
     ok = planned.peak_bytes <= plan.budget_bytes
-    print(f"budget {format_bytes(plan.budget_bytes)}: {'kept' if ok else 'EXCEEDED'}")
+    print(f"budget {format_bytes(plan.budget_bytes)}: {'kept' if ok else 'EXCEEDED'}"
+          + ("" if ok else f" by {format_bytes(planned.peak_bytes - plan.budget_bytes)}"))
+    if plan.routing:
+        print(routing_report(plan, measured_routing(baseline_model, inputs, plan, amp), ok))
     return 0 if ok else 1
+
+
+def measured_routing(model, inputs, plan, autocast=None):
+    """The routing one real forward of ``model`` takes at the routing
+    decisions ``plan`` was traced with (:func:`autosac.trace.routing.observe`)."""
+    from autosac.inputs import split_inputs
+    from autosac.trace.routing import RouterCall, observe
+
+    args, kwargs = split_inputs(inputs)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    amp = torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    with torch.no_grad(), amp, observe([RouterCall(**c) for c in plan.routing["routers"]]) as seen:
+        model(*args, **kwargs)
+    return seen
+
+
+def routing_report(plan, seen, kept: bool) -> str:
+    """What routing the plan assumed, what the real step took, and -- when the
+    budget was exceeded under a routing busier than assumed -- the assumption
+    that covers it."""
+    from autosac.report import routing_line
+    from autosac.trace.routing import routing_from_dict
+
+    assumed = routing_from_dict(plan.routing.get("assumption"))
+    factor = seen.capacity_factor
+    text = (f"MoE routing: planned for {routing_line(plan.routing)}; measured: the busiest expert got "
+            f"{factor:.2f}x its balanced share (capacity factor {factor:.2f}) over {len(seen.factors)} "
+            "routing decisions")
+    if not kept and factor > assumed.capacity_factor:
+        text += (f"\nthe real routing is busier than the plan assumed: re-plan with --routing {math.ceil(factor * 100) / 100:g} "
+                 "(or --routing worst) for a budget that holds under it")
+    return text
 
 
 def _steps(m) -> str:

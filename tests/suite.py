@@ -6,8 +6,9 @@ predict the peak within 3 % of an independent measurement."""
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
@@ -19,6 +20,7 @@ from autosac.inputs import split_inputs
 from autosac.optim import default_loss
 from autosac.solver import least_peak, solve_stats
 from autosac.solver.problem import build_problem
+from autosac.trace.routing import RouterCall, forced
 
 TOLERANCE = 0.03
 # An A100's roofline with the CPU's kernels: deterministic times (no host costs:
@@ -72,18 +74,24 @@ def budgets(problem) -> list[tuple[str, int]]:
 
 def check_model(
     name, build, loss_fn=None, target=A100_CPU_KERNELS, labels=("70%", "50%", "least"), expect_warning: str | None = None,
-    optimizer="sgd", tolerance: float = TOLERANCE, autocast=None, output_held: bool = True,
+    optimizer="sgd", tolerance: float = TOLERANCE, autocast=None, output_held: bool = True, routing=None,
 ) -> list[Row]:
     """Plan ``build()``'s model at each budget; check every promise; return the table rows.
 
     ``build`` returns ``(model, inputs)`` with fixed weights (the same each call).
     The applied model must warn about nothing, or exactly once with a message
     containing ``expect_warning``.  ``output_held``: the loop planned and
-    measured (:mod:`autosac.loop`).
+    measured (:mod:`autosac.loop`).  ``routing`` (mixture-of-experts models):
+    planned for, and the measured step forced to route so
+    (:func:`autosac.trace.routing.forced`); the bitwise step routes as the data does.
     """
     model, inputs = build()
     stats = autosac.profile(model, inputs, loss_fn=loss_fn, target=target, optimizer=optimizer, autocast=autocast,
-                            output_held=output_held)
+                            output_held=output_held, routing=routing or "balanced")
+    routed = nullcontext
+    if routing is not None:
+        calls = [RouterCall(**c) for c in stats.routing["routers"]]
+        routed = partial(forced, routing, calls)
     problem = build_problem(stats)
     rows = []
     for label, budget in budgets(problem):
@@ -107,8 +115,9 @@ def check_model(
             warnings.simplefilter("ignore")
             fresh, inputs = build()
             autosac.apply(fresh, plan)
-            measured = autosac.measure(fresh, inputs, loss_fn=loss_fn, steps=1, optimizer=optimizer,
-                                       autocast=autocast, output_held=output_held).peak_bytes
+            with routed():
+                measured = autosac.measure(fresh, inputs, loss_fn=loss_fn, steps=1, optimizer=optimizer,
+                                           autocast=autocast, output_held=output_held).peak_bytes
         rows.append(Row(name, label, plan.budget_bytes, plan.predicted_peak_bytes, measured, True,
                         f"{len(plan.decisions)} modules"))
         assert measured <= plan.budget_bytes, (name, label, measured, plan.budget_bytes)

@@ -26,6 +26,9 @@ HF_MODELS = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    # mixture of experts: planned for a stated routing (autosac.trace.routing)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 DEFAULT_BATCH, DEFAULT_SEQ = 1, 1024
 

@@ -442,9 +442,13 @@ def build_problem(stats: ModelStats, max_choices: int = 16, keep_random: bool = 
         cum_t = np.asarray(costs)
         cum_first = np.cumsum([sum(stats.saved_ops[i].bytes for i in it) for it in items])
         picks = _choice_indices(cum_first, cum_t, max_choices)
+        if m.routed:  # its op calls follow the data's routing: only whole, plain checkpointing matches none
+            picks = [len(items)]
         mechanism, whole_ms = _mechanism(stats, m, fqn, first, op_ids, len(items), picks, host, events)
         if keep_random:  # compiled regions recompute what their graph needs: no plain path
             whole_ms = None
+        if m.routed and whole_ms is None:
+            continue
         group = []
         for j, (window, span) in enumerate(calls):
             mine = items if j == 0 else _mapped_items(stats, items, first, window)

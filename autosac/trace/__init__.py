@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import torch
 from torch import nn
@@ -20,6 +20,7 @@ from autosac.trace.aggregate import aggregate
 from autosac.trace.autocast import check_autocast_dtype
 from autosac.trace.compiled import CompiledPeak, compiled_peak
 from autosac.trace.costs import CostModel
+from autosac.trace.routing import parse_routing
 from autosac.trace.step import trace_step
 from autosac.trace.units import refuse_sharded, resolve_shard_units
 from autosac.version import __version__
@@ -39,6 +40,7 @@ def profile(
     autocast: torch.dtype | None = None,
     shard_units: list[str] | str | None = None,
     output_held: bool = True,
+    routing="balanced",
 ) -> ModelStats:
     """Trace one training step (forward, loss, backward, optimizer step) under
     FakeTensorMode and return its memory, runtime and recompute statistics.
@@ -79,6 +81,12 @@ def profile(
             the output dies as soon as the loss exists
             (``loss_fn(model(x)).backward()``, transformers' ``Trainer``).
             See :mod:`autosac.loop`; measure with the same setting.
+        routing: for mixture-of-experts models, how many tokens each expert
+            gets, which a fake trace cannot see: ``"balanced"`` (every expert
+            ``tokens * top_k / experts``), a capacity factor such as ``1.25``
+            (the busiest experts get 1.25 times that) or ``"worst"`` (all tokens
+            to ``top_k`` experts).  See :mod:`autosac.trace.routing`; recorded
+            in ``stats.routing`` (empty for a model that routes nothing).
 
     Returns:
         ModelStats: plain, JSON-serialisable statistics.
@@ -86,7 +94,7 @@ def profile(
     Raises:
         NothingToCheckpointError: nothing requires grad / the loss is not differentiable.
         TraceError: the forward raised (the message names the module) or inputs don't fit.
-        ValueError: an unknown target or optimizer, ``world_size < 1``, a
+        ValueError: an unknown target or optimizer, a malformed ``routing``, ``world_size < 1``, a
             ``param_dtype`` without ``world_size > 1`` or not floating, an
             ``autocast`` other than bfloat16/float16, ``shard_units`` naming
             no module, the root, nested units or units without ``world_size > 1``,
@@ -115,12 +123,13 @@ def profile(
     mixed = _mixed_precision(model, world_size, param_dtype, reduce_dtype)
     check_autocast_dtype(autocast)
     check_output_held(output_held)
+    assumed = parse_routing(routing)
     refuse_sharded(model, world_size)
     units = resolve_shard_units(model, shard_units, world_size)
     cost = CostModel(spec)
     try:
         step = trace_step(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, cost_model=cost,
-                          param_dtype=param_dtype, autocast=autocast, output_held=output_held)
+                          param_dtype=param_dtype, autocast=autocast, output_held=output_held, routing=assumed)
     finally:
         cost.finish()
     _say_unknown_ops(step.recording.unknown_ops)
@@ -138,6 +147,8 @@ def profile(
     stats.autocast = str(autocast).removeprefix("torch.") if autocast is not None else ""
     stats.shard_units = units
     stats.output_held = output_held
+    routers = step.recording.routers
+    stats.routing = {"assumption": assumed.to_dict(), "routers": [asdict(c) for c in routers]} if routers else {}
     # preserve_rng_state keeps the CPU generator state (and a device's) per checkpoint call
     stats.checkpoint_state_bytes = torch.get_rng_state().numel() + (16 if not spec.measured else 0)
     return stats

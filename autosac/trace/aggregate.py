@@ -271,8 +271,13 @@ def _module_stats(step: TracedStep, live: np.ndarray, times: _Times, saved: _Sav
             cache_holds=sorted([e, b] for e, b in cache_holds.get(fqn, {}).items()),
             tradeoff=curve, tradeoff_exact_points=len(curve),
             saved_tensors=saved_tensors.get(fqn, [0] * len(windows)),
+            routed=any(_has_event_in(rec.routed, w) for w in windows),
         )
     return modules
+
+
+def _has_event_in(events: set[int], window) -> bool:
+    return any(window[0] <= e < window[1] for e in events)
 
 
 def _saved_tensors_per_call(rec) -> dict[str, list[int]]:

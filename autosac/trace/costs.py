@@ -51,6 +51,9 @@ _MEMORY_BOUND = {
     "_safe_softmax", "scalar_tensor", "softplus_backward", "as_strided_", "roll", "mse_loss", "mse_loss_backward",
     "smooth_l1_loss", "smooth_l1_loss_backward", "huber_loss", "huber_loss_backward",
     "binary_cross_entropy", "binary_cross_entropy_backward",
+    # mixture-of-experts token dispatch (autosac.trace.routing)
+    "nonzero", "floor_divide", "histc", "bincount", "_unique2", "unique_dim", "masked_select", "searchsorted",
+    "index_add", "uniform_", "one_hot",
 }
 
 
@@ -73,9 +76,21 @@ def _cpu_flash_bw_flops(grad_out, query, key, value, *args, out_shape=None, **kw
     return int(2.5 * _sdpa_flops(query, key, value))
 
 
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    # each row of a 2-d mat_a meets one group's matrix (a 2-d x 2-d call splits the
+    # contraction over groups): 2*M*K*N either way; a 3-d mat_a contracts its last dim
+    if len(a_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+    n = 1
+    for s in out_shape:
+        n *= s
+    return 2 * n * a_shape[-1]
+
+
 def _extra_registry() -> dict:
     extra = {}
     for name, fn in (
+        ("_grouped_mm", _grouped_mm_flops),
         ("_scaled_dot_product_flash_attention_for_cpu", _cpu_flash_flops),
         ("_scaled_dot_product_flash_attention_for_cpu_backward", _cpu_flash_bw_flops),
     ):

@@ -28,6 +28,8 @@ from autosac.allocations import allocation_peak
 from autosac.dataflow import DataflowTracker
 from autosac.opkinds import is_random_op, is_view_op, writes_input, written_tensors
 from autosac.trace.costs import CostModel, transient_bytes
+from autosac.trace.fake_kernels import run_fake
+from autosac.trace.routing import ROUTED_NUMEL, ROUTING_OPS, RoutingTrace, is_routing_source
 
 Stack = tuple[str, ...]
 _ACCUMULATE_GRAD_SEQ = 2**64 - 1
@@ -77,6 +79,10 @@ class Recording:
     # each tensor autograd saved in the forward: (ops recorded before the save, module stack at the save);
     # an op's inputs are saved before it runs, its outputs after, so the stack tells whose call it was
     save_points: list[tuple[int, Stack]] = field(default_factory=list)
+    # forward events that read a tensor derived from an MoE routing decision (or make one:
+    # autosac.trace.routing); their number and sizes follow the routing assumed
+    routed: set[int] = field(default_factory=set)
+    routers: list = field(default_factory=list)  # the routing decisions the forward made (RouterCall)
 
 
 SMALL_NUMEL = 1 << 16  # tensors this small (and on the cpu) may be computed for real
@@ -115,7 +121,7 @@ def _suggested_format(x: torch.Tensor) -> torch.memory_format:
     return torch.contiguous_format
 
 
-def run_op(func, args, kwargs, made_in_trace=lambda t: False, fake_mode=None, small_values=True):
+def run_op(func, args, kwargs, made_in_trace=lambda t: False, fake_mode=None, small_values=True, routed=None):
     """Run one op of the trace: under fake mode, unless it only reads small real
     tensors (or none) and makes small ones (and ``small_values``: a trace whose
     fused kernels are skipped computes no values, so its ops all run fake).
@@ -128,7 +134,12 @@ def run_op(func, args, kwargs, made_in_trace=lambda t: False, fake_mode=None, sm
     Random ops always run fake: the trace never advances the real RNG; and an
     op that writes in place runs for real only into tensors the trace made
     (``made_in_trace``): the model's own tensors are never changed (a write
-    into one goes to a fake twin of it).
+    into one goes to a fake twin of it).  ``routed`` (a
+    :class:`~autosac.trace.routing.RoutingTrace`): real tensors derived from
+    routing decisions run for real up to ``ROUTED_NUMEL`` elements, and what
+    they make is derived too.  Fake ops go through
+    :func:`~autosac.trace.fake_kernels.run_fake` (meta kernels that refuse
+    what the real kernel runs).
     """
     if func.namespace != "aten" or is_random_op(func):
         return func(*args, **kwargs)
@@ -138,20 +149,24 @@ def run_op(func, args, kwargs, made_in_trace=lambda t: False, fake_mode=None, sm
             raise RuntimeError("autosac: an op writes into a real tensor of the model during the trace")
         twins = {id(t): fake_mode.from_tensor(t) for t in foreign}
         args, kwargs = tree_map(lambda a: twins.get(id(a), a) if isinstance(a, torch.Tensor) else a, (args, kwargs))
-        return func(*args, **kwargs)
+        return run_fake(func, args, kwargs)
     tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
     if not small_values or any(isinstance(t, FakeTensor) or t.requires_grad or t.device.type != "cpu"
                                for t in tensors):
-        return func(*args, **kwargs)
-    if sum(t.numel() for t in tensors) > SMALL_NUMEL:
-        return func(*args, **kwargs)
+        return run_fake(func, args, kwargs)
+    from_routing = routed is not None and routed.reads_routing(tensors)
+    if sum(t.numel() for t in tensors) > (ROUTED_NUMEL if from_routing else SMALL_NUMEL):
+        return run_fake(func, args, kwargs)
     if not tensors:  # a factory: real only when what it makes is small and on the cpu
         fake = func(*args, **kwargs)
         made = [t for t in tree_leaves(fake) if isinstance(t, torch.Tensor)]
         if not made or any(t.device.type != "cpu" or t.numel() > SMALL_NUMEL for t in made):
             return fake
     with unset_fake_temporarily():
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+    if from_routing:
+        routed.mark(out)
+    return out
 
 
 # Kernels whose outputs the meta kernel sizes unlike the real one: their output
@@ -371,6 +386,7 @@ class StepRecorder(TorchDispatchMode):
         self.device_type = "cpu"  # the device the traced step's tensors are on
         self.fake_mode = None  # the trace's FakeTensorMode (writes into the model's real tensors go to fakes)
         self.small_values = True  # small cpu ops run for real (see run_op)
+        self.routing = RoutingTrace()  # MoE routing decisions get real indices (autosac.trace.routing)
 
     # ----------------------------------------------------------- storages
     def track(
@@ -535,7 +551,10 @@ class StepRecorder(TorchDispatchMode):
             return func(*args, **kwargs)
         if self._pending:
             self._flush_pending()
-        ran = run_op(func, args, kwargs, self._made_in_trace, self.fake_mode, self.small_values)
+        ran = run_op(func, args, kwargs, self._made_in_trace, self.fake_mode, self.small_values, self.routing)
+        routed = self.small_values and self.phase == "forward" and self._routed(func, args, kwargs)
+        if routed and torch._C._current_autograd_node() is None:
+            ran = self.routing.route(func, args, kwargs, ran, self._stack_t[-1] if self._stack_t else "")
         out = with_kernel_layout(func, args, ran)
 
         rec = self.rec
@@ -561,6 +580,8 @@ class StepRecorder(TorchDispatchMode):
         rec.views.append(view or alias)
         rec.random.append(is_random_op(func))
         rec.writes.append(writes and not view)
+        if routed:
+            rec.routed.add(idx)
         scratch = transient_bytes(func, args)
         if needs_probe(func, args) and flops <= _PROBE_CAP_FLOPS:
             scratch = probed_scratch_bytes(func, args, kwargs, scratch, outs)
@@ -595,6 +616,13 @@ class StepRecorder(TorchDispatchMode):
             # grad_fn is attached above this dispatch level: resolve it at the next op
             self._pending.extend((weakref.ref(t), stack, idx) for t in outs if t.is_floating_point())
         return out
+
+    def _routed(self, func, args, kwargs) -> bool:
+        """Whether the op reads a tensor derived from a routing decision, or
+        may make one (picks indices from scores)."""
+        if func.overloadpacket.__name__ in ROUTING_OPS and is_routing_source(func, args, kwargs):
+            return True
+        return self.routing.reads_routing(a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor))
 
     def _loose_scalar_bytes(self, args) -> int:
         """Bytes of real 0-dim cpu tensors the op reads that the trace never saw
@@ -639,4 +667,5 @@ class StepRecorder(TorchDispatchMode):
                 r.freed = event
         self._refs.clear()
         self.rec.unknown_ops = set(self.cost.unknown_ops)
+        self.rec.routers = list(self.routing.calls)
         return self.rec

@@ -29,6 +29,7 @@ from autosac.trace.autocast import target_autocast
 from autosac.trace.costs import CostModel
 from autosac.trace.dispatch import TargetDispatch
 from autosac.trace.recorder import SMALL_NUMEL, Recording, StepRecorder, StorageRecord
+from autosac.trace.routing import BALANCED, Routing, RoutingTrace
 
 
 @dataclass
@@ -87,6 +88,7 @@ def trace_step(
     compile_backend: str | None = None,
     small_values: bool = True,
     output_held: bool = True,
+    routing: Routing = BALANCED,
 ) -> TracedStep:
     """Trace forward, loss, backward and optimizer step; return the raw recording.
 
@@ -126,7 +128,7 @@ def trace_step(
             # FSDP2's mixed precision casts floating inputs to param_dtype too
             args, kwargs = tree_map(lambda x: _trace_input(x, param_dtype), (real_args, real_kwargs))
             once = (model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast, runner, small_values,
-                    output_held)
+                    output_held, routing)
             step = _trace_once(*once)
             if before.grew():
                 step = _trace_once(*once)
@@ -199,13 +201,14 @@ def _trace_input(x, dtype: torch.dtype | None = None):
 
 
 def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast=None,
-                compiled=None, small_values=True, output_held=True) -> TracedStep:
+                compiled=None, small_values=True, output_held=True, routing=BALANCED) -> TracedStep:
     """One recorded step on a model whose parameters are already fake (run
     through ``compiled``, its ``torch.compile`` wrapper, when given)."""
     names = {id(m): fqn for fqn, m in model.named_modules()}
     recorder = (StepRecorder if compiled is None else CompiledStepRecorder)(cost_model)
     recorder.fake_mode = mode
     recorder.small_values = small_values
+    recorder.routing = RoutingTrace(routing)
     recorder.device_type = cost_model.spec.device_type
     opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
     _init_optimizer_state(model, opt)
