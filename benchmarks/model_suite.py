@@ -7,8 +7,13 @@ dies at the loss).
 
     python benchmarks/model_suite.py > benchmarks/results/model_suite.md
 
-Runs the same checks as ``tests/test_real_models.py``, ``tests/test_model_zoo.py``
-and ``tests/test_ordinary_modules.py`` (and fails the same way).
+Runs the same checks as ``tests/test_real_models.py``, ``tests/test_model_zoo.py``,
+``tests/test_ordinary_modules.py`` and ``tests/test_moe.py`` (and fails the same
+way).  Mixture-of-experts rows are planned for balanced routing and measured
+with the step forced to route so (``autosac.trace.routing.forced``); their
+bitwise step routes as the data does.
+
+    python benchmarks/model_suite.py mixtral-grouped_mm top2-capacity   # only these rows
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import warnings
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import test_model_zoo  # noqa: E402
+import test_moe  # noqa: E402
 import test_ordinary_modules as ordinary  # noqa: E402
 import test_real_models as real  # noqa: E402
 import torch  # noqa: E402
@@ -52,6 +58,8 @@ def cases():
         yield name, seeded(build), dict(tolerance=tol)
     yield "shared-block", seeded(lambda: (ordinary.SharedBlock(), torch.randn(1024, 16))), {}
     yield "nested-shared", seeded(lambda: (ordinary.NestedShared(), torch.randn(2048, 64))), {}
+    for name, (make, loss_fn) in test_moe.MOE.items():
+        yield name, seeded(make), dict(loss_fn=loss_fn, routing="balanced")
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -361,6 +362,32 @@ HF_SMALL = {
     "bert": ["num_hidden_layers=2", "hidden_size=64", "intermediate_size=256", "num_attention_heads=4",
              "vocab_size=256"],
 }
+
+
+MIXTRAL_SMALL = ["vocab_size=256", "hidden_size=64", "intermediate_size=128", "num_hidden_layers=2",
+                 "num_attention_heads=4", "num_key_value_heads=2", "num_local_experts=4"]
+
+
+def test_an_moe_plan_states_its_routing_and_verify_reports_the_routing_measured(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    path = str(tmp_path / "p.json")
+    common = ["--model", "hf:mixtral", *[x for a in MIXTRAL_SMALL for x in ("--model-arg", a)], "--batch", "2",
+              "--seq", "64", "--target", "cpu", "--drop-output", "--optimizer", "sgd"]
+    assert main(["plan", *common, "--routing", "1.5", "--budget", "least", "--json", path]) == 0
+    out = capsys.readouterr().out
+    assert "MoE routing      capacity factor 1.5, assumed at 2 routing decisions (2 of 4 experts per token, " \
+           "128 tokens)" in out
+    assert main(["verify", path, *common, "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "budget" in out and "kept" in out
+    found = re.search(r"MoE routing: planned for capacity factor 1.5, .*; measured: the busiest expert got "
+                      r"([0-9.]+)x its balanced share \(capacity factor \1\) over 2 routing decisions", out)
+    assert found and 1.0 <= float(found.group(1)) <= 2.0, out
+
+
+def test_a_malformed_routing_is_one_line_before_any_work(capsys):
+    err = _cli_error(capsys, "plan", "--model", "gpt-tiny", "--budget", "80%", "--routing", "even")
+    assert "routing must be 'balanced', 'worst' or a capacity factor >= 1" in err
 
 
 @pytest.mark.parametrize("name", sorted(HF_SMALL))

@@ -80,3 +80,43 @@ def test_bad_optimizer_and_world_size():
         autosac.profile(nn.Linear(4, 4), torch.randn(2, 4), optimizer="lion")
     with pytest.raises(ValueError, match="world_size"):
         autosac.profile(nn.Linear(4, 4), torch.randn(2, 4), world_size=0)
+
+
+def test_an_op_whose_fake_kernel_refuses_what_its_real_kernel_runs_is_traced_as_the_real_one_lays_it_out():
+    """Like torch's grouped matmul (its fake kernel takes only bf16): the trace
+    tries the real kernel on zeros and goes on with its output's layout."""
+
+    @torch.library.custom_op("autosac_test::doubled_rows", mutates_args=())
+    def doubled_rows(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, x]).t().contiguous().t()  # (2n, d), column-major
+
+    @doubled_rows.register_fake
+    def _(x):
+        raise RuntimeError("Expected inputs of BF16 type")
+
+    class UsesIt(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return doubled_rows(self.lin(x).detach()).sum() + self.lin(x).sum()
+
+    stats = autosac.profile(UsesIt(), torch.randn(4, 8), target="cpu")
+    i = stats.timeline.ops.index("doubled_rows")
+    assert stats.timeline.made_bytes[i] == 8 * 8 * 4  # (8, 8) float32, as the real kernel made it
+
+
+def test_an_op_both_kernels_refuse_blames_the_inputs_and_names_the_op():
+    class Bad(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    with pytest.raises(autosac.TraceError, match=r"module 'lin' \(Linear\) raised RuntimeError: a and b must have "
+                                                 r"same reduction dim.* in aten.addmm \(its real kernel refuses them "
+                                                 r"too\) -- check that example_inputs fit the model"):
+        autosac.profile(Bad(), torch.randn(4, 7), target="cpu")

@@ -141,8 +141,10 @@ def run_op(func, args, kwargs, made_in_trace=lambda t: False, fake_mode=None, sm
     :func:`~autosac.trace.fake_kernels.run_fake` (meta kernels that refuse
     what the real kernel runs).
     """
-    if func.namespace != "aten" or is_random_op(func):
+    if is_random_op(func):
         return func(*args, **kwargs)
+    if func.namespace != "aten":
+        return run_fake(func, args, kwargs)
     foreign = [t for t in written_tensors(func, args, kwargs) if not isinstance(t, FakeTensor) and not made_in_trace(t)]
     if foreign:
         if fake_mode is None:

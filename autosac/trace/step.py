@@ -28,6 +28,7 @@ from autosac.stats import ParamStats
 from autosac.trace.autocast import target_autocast
 from autosac.trace.costs import CostModel
 from autosac.trace.dispatch import TargetDispatch
+from autosac.trace.fake_kernels import FakeKernelError
 from autosac.trace.recorder import SMALL_NUMEL, Recording, StepRecorder, StorageRecord
 from autosac.trace.routing import BALANCED, Routing, RoutingTrace
 
@@ -403,9 +404,17 @@ def _run_forward(model: nn.Module, args: tuple, kwargs: dict, recorder: StepReco
                 "which a fake-mode trace cannot see: trace with inputs that take the usual branch "
                 "behind a Python flag, or make the branch depend on shapes only"
             ) from None
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        if isinstance(e, FakeKernelError) and e.real == "untried":
+            raise TraceError(
+                f"forward of module '{name}' ({type(mod).__name__}): PyTorch's fake kernel for {e.op} raised {e}; "
+                "its inputs are too large to try the real kernel on -- if the model trains with these "
+                "example_inputs, plan at a smaller batch or sequence to see whether the real kernel takes them"
+            ) from None
+        first = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else ""
+        kind = "" if isinstance(e, FakeKernelError) else f"{type(e).__name__}: "
+        where = f" in {e.op} (its real kernel refuses them too)" if isinstance(e, FakeKernelError) else ""
         raise TraceError(
-            f"forward of module '{name}' ({type(mod).__name__}) raised {type(e).__name__}: {first}"
+            f"forward of module '{name}' ({type(mod).__name__}) raised {kind}{first}{where}"
             " -- check that example_inputs fit the model"
         ) from None
 
