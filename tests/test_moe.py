@@ -107,12 +107,48 @@ class Top2MoE(nn.Module):
         return torch.zeros_like(tokens).index_add(0, token, gathered).reshape(shape)
 
 
+class SortedSplitMoE(nn.Module):
+    """Token dispatch as DeepSeek-V3-style code writes it: tokens sorted by
+    expert (``argsort``), per-expert counts read into Python
+    (``bincount().tolist()``), ``split`` into groups, a Python loop that skips
+    empty experts, ``unique`` for the experts hit, and a boolean mask for the
+    tokens of the first expert -- every size and branch a number of the data."""
+
+    def __init__(self, d: int, hidden: int, experts: int, top_k: int = 2):
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(d, experts, bias=False)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, hidden), nn.SiLU(), nn.Linear(hidden, d)) for _ in range(experts))
+
+    def forward(self, x):
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        weights, idx = F.softmax(self.gate(tokens), dim=-1).topk(self.top_k, dim=-1)
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        hit = set(torch.unique(flat).tolist())
+        first = torch.masked_select(flat, flat == 0).numel()  # tokens of expert 0, by a mask
+        assert first == counts[0]
+        groups = tokens[order // self.top_k].split(counts)
+        outs = []
+        for e, (group, n) in enumerate(zip(groups, counts)):
+            if n == 0:
+                assert e not in hit
+                continue
+            outs.append(self.experts[e](group))
+        out = torch.cat(outs)
+        out = out * weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(tokens).index_add(0, order // self.top_k, out).reshape(shape)
+
+
 class MoEBlock(nn.Module):
-    def __init__(self, d: int, experts: int):
+    def __init__(self, d: int, experts: int, moe: str = "top2"):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.attn = nn.MultiheadAttention(d, 4, batch_first=True)
-        self.moe = Top2MoE(d, 2 * d, experts)
+        self.moe = Top2MoE(d, 2 * d, experts) if moe == "top2" else SortedSplitMoE(d, 2 * d, experts)
 
     def forward(self, x):
         h = self.norm1(x)
@@ -121,10 +157,10 @@ class MoEBlock(nn.Module):
 
 
 class TinyMoELM(nn.Module):
-    def __init__(self, vocab: int = 128, d: int = 64, layers: int = 3, experts: int = 8):
+    def __init__(self, vocab: int = 128, d: int = 64, layers: int = 3, experts: int = 8, moe: str = "top2"):
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(MoEBlock(d, experts) for _ in range(layers))
+        self.blocks = nn.ModuleList(MoEBlock(d, experts, moe) for _ in range(layers))
         self.head = nn.Linear(d, vocab)
 
     def forward(self, ids):
@@ -136,6 +172,10 @@ class TinyMoELM(nn.Module):
 
 def _top2():
     return TinyMoELM(layers=4).train(), torch.randint(0, 128, (8, 128))
+
+
+def _sorted_split():
+    return TinyMoELM(layers=4, moe="sorted-split").train(), torch.randint(0, 128, (8, 128))
 
 
 def _lm_inputs(vocab: int = 128, batch: int = 8, seq: int = 64) -> dict:
@@ -177,6 +217,7 @@ MOE = {
     "qwen3_moe-grouped_mm": (_qwen3_moe("grouped_mm"), _hf_loss),
     "qwen3_moe-eager": (_qwen3_moe("eager"), _hf_loss),
     "top2-capacity": (_top2, _token_loss),
+    "sorted-split": (_sorted_split, _token_loss),
 }
 
 
@@ -311,3 +352,15 @@ def test_steps_stay_bitwise_when_the_jitter_draws_from_the_rng_in_the_recompute(
     work, _ = build()
     autosac.apply(work, plan)
     assert_same_step(ref, work, inputs, loss_fn)
+
+
+def test_a_plan_for_worst_routing_holds_when_the_step_routes_so():
+    """Worst routing leaves experts without tokens (the dispatch's ``if n == 0``
+    branch): the trace takes that branch, and the measured peak of a step forced
+    to route so is the predicted one.  No optimizer: in training every expert
+    has optimizer state from the steps that did route to it, which a measurement
+    whose every step is forced to the worst routing would not build."""
+    make, loss_fn = MOE["sorted-split"]
+    rows = check_model("sorted-split-worst", seeded(make), loss_fn=loss_fn, routing="worst", labels=("70%", "least"),
+                       optimizer="none")
+    assert [r.budget for r in rows if r.bitwise] == ["70%", "least"], rows
