@@ -6,13 +6,21 @@ autograd and dispatcher time before its kernel launches, and a short kernel
 finishes before the next op is issued.  Checkpointing adds host work of its
 own, whatever the kernels cost:
 
-* ``op_us``: one eager op call (forward or backward), Python, autograd and
-  the dispatcher included.  On a GPU it overlaps the kernels (an op costs the
+* ``op_us``: one eager op call in the forward (the loss and the optimizer
+  step too), Python, autograd and the dispatcher included: the module code
+  between ops is in it.  On a GPU it overlaps the kernels (an op costs the
   longer of its kernel and this); on a CPU target priced by a roofline it
   adds to them.
-* ``untimed_op_us``: the part of ``op_us`` that timing an op alone does not
-  see (autograd, Python): what each op adds to its measured time on a CPU
-  target whose ops are timed for real (``target="cpu"``).
+* ``backward_op_us``: one op call the autograd engine makes in the backward:
+  no Python runs between them, so they cost the host less (about 12 against
+  21 us here).  ``None``: ``op_us``.
+* ``untimed_op_us``: the part of a forward op's host time that timing the op
+  alone does not see (autograd, module Python): what each forward op adds to
+  its measured time on a CPU target whose ops are timed for real
+  (``target="cpu"``).
+* ``backward_untimed_us``: the same for a backward op, which may be negative:
+  timing an op by calling it from Python counts a dispatch the engine does
+  not pay.  ``None``: ``untimed_op_us``.
 * ``checkpoint_call_us``: one checkpointed call, forward and backward
   together, beyond re-running its ops: ``torch.utils.checkpoint``'s frame,
   RNG state, and autosac's state swap around the replay (a module recomputed
@@ -24,7 +32,7 @@ own, whatever the kernels cost:
   (some outputs cached, some recomputed), in the forward and again in the
   recompute: autosac's dispatch mode and its per-call checks.
 
-:func:`calibrate` measures the five on this machine with a micro-benchmark
+:func:`calibrate` measures them on this machine with a micro-benchmark
 (small transformer blocks run plain, with each forward run twice,
 checkpointed whole and checkpointed selectively through autosac's own
 applier: each figure a difference of measured times), once per machine: the
@@ -44,8 +52,10 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-CACHE_KEY = "host-costs-v8"  # bump when the micro-benchmark changes
-_FIELDS = ("op_us", "checkpoint_call_us", "saved_tensor_us", "selective_op_us", "untimed_op_us")
+CACHE_KEY = "host-costs-v9"  # bump when the micro-benchmark changes
+_FIELDS = ("op_us", "checkpoint_call_us", "saved_tensor_us", "selective_op_us", "untimed_op_us", "backward_op_us",
+           "backward_untimed_us")
+_SIGNED = ("backward_untimed_us",)
 
 
 @dataclass(frozen=True)
@@ -62,15 +72,22 @@ class HostCosts:
     saved_tensor_us: float = 0.0
     selective_op_us: float = 0.0
     untimed_op_us: float = 0.0
+    backward_op_us: float | None = None
+    backward_untimed_us: float | None = None
 
-    def op_ms(self, kernel_ms: float, device_type: str, timed: bool) -> float:
+    def op_ms(self, kernel_ms: float, device_type: str, timed: bool, backward: bool = False) -> float:
         """One op call's time from its kernel's: on a GPU the longer of the
         two (the host issues the next op while the kernel runs); on the CPU
         their sum, where ``timed`` (the kernel time was measured by calling
-        the op) only the host time that measurement does not see."""
+        the op) only the host time that measurement does not see (never
+        below zero).  ``backward``: an op the autograd engine calls."""
+        whole, untimed = self.op_us, self.untimed_op_us
+        if backward:
+            whole = whole if self.backward_op_us is None else self.backward_op_us
+            untimed = untimed if self.backward_untimed_us is None else self.backward_untimed_us
         if device_type != "cpu":
-            return max(kernel_ms, self.op_us / 1e3)
-        return kernel_ms + (self.untimed_op_us if timed else self.op_us) / 1e3
+            return max(kernel_ms, whole / 1e3)
+        return max(0.0, kernel_ms + (untimed if timed else whole) / 1e3)
 
     def checkpoint_ms(self, saved_tensors: int, ops: int, selective: bool) -> float:
         """What checkpointing one call costs the host: per call, per tensor its
@@ -80,7 +97,11 @@ class HostCosts:
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            if value is None and name.startswith("backward_"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                raise ValueError(f"HostCosts.{name} must be a number of microseconds, got {value!r}")
+            if name not in _SIGNED and value < 0:
                 raise ValueError(f"HostCosts.{name} must be a number of microseconds >= 0, got {value!r}")
 
     def to_dict(self) -> dict:
@@ -122,9 +143,9 @@ def calibrate(force: bool = False) -> HostCosts:
     from autosac.trace.timings import TimingCache
 
     cache = TimingCache()
-    found = [cache.get(f"{CACHE_KEY}:{f}") for f in _FIELDS]
-    if all(v is not None for v in found) and not force:
-        _CALIBRATED = HostCosts(*found)
+    found = {f: cache.get(f"{CACHE_KEY}:{f}") for f in _FIELDS}
+    if all(v is not None for v in found.values()) and not force:
+        _CALIBRATED = HostCosts(**found)
         return _CALIBRATED
     try:
         costs = _measure()
@@ -202,8 +223,11 @@ def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, r
             "tiny": _calibration_models(lambda: _tiny(width), 4 * regions, x),
         }
     # one timing run, rounds interleaved across the models: drift hits them alike
-    times = _timed({(size, k): m for size, setup in models.items() for k, m in setup["variants"].items()}, x, rounds)
-    got = {size: _figures(setup, {k: t for (s, k), t in times.items() if s == size}) for size, setup in models.items()}
+    times, forwards = _timed({(size, k): m for size, setup in models.items() for k, m in setup["variants"].items()},
+                             x, rounds)
+    got = {size: _figures(setup, {k: t for (s, k), t in times.items() if s == size},
+                          {k: t for (s, k), t in forwards.items() if s == size})
+           for size, setup in models.items()}
     shallow, deep, tiny = got["shallow"], got["deep"], got["tiny"]
     # per call: mechanism = call + saved * saved_tensor; the tiny call is nearly all
     # per-call cost, the deep one saves many tensors
@@ -212,7 +236,9 @@ def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, r
     selective_us = max(0.0, shallow["selective_us"] / (2 * shallow["ops"]))
     return HostCosts(op_us=round(shallow["op_us"], 3), checkpoint_call_us=round(call_us, 2),
                      saved_tensor_us=round(saved_us, 3), selective_op_us=round(selective_us, 3),
-                     untimed_op_us=round(shallow["untimed_op_us"], 3))
+                     untimed_op_us=round(shallow["untimed_op_us"], 3),
+                     backward_op_us=round(shallow["backward_op_us"], 3),
+                     backward_untimed_us=round(shallow["backward_untimed_us"], 3))
 
 
 def _calibration_models(region, blocks: int, x: torch.Tensor, selective: bool = False) -> dict:
@@ -247,13 +273,14 @@ def _calibration_models(region, blocks: int, x: torch.Tensor, selective: bool = 
     return {"stats": stats, "variants": variants, "blocks": blocks}
 
 
-def _figures(setup: dict, times: dict[str, float]) -> dict:
+def _figures(setup: dict, times: dict[str, float], forwards: dict[str, float]) -> dict:
     """One calibration model's figures from its timed variants: the host time
     per op, and per checkpointed call what the checkpoint adds beyond
     re-running the forward (whole: against running each forward twice) and
     what the selective path adds beyond that (against the whole path, less
-    the cached matmul it does not re-run).  Only differences of measured
-    times, but for that one matmul's traced time."""
+    the cached matmul it does not re-run).  ``times``: forward and backward;
+    ``forwards``: the forward alone.  Only differences of measured times, but
+    for that one matmul's traced time."""
     stats, blocks = setup["stats"], setup["blocks"]
     tl = stats.timeline
     w0, w1 = stats.modules["0"].fw_windows[0]
@@ -261,9 +288,16 @@ def _figures(setup: dict, times: dict[str, float]) -> dict:
            "mechanism_us": (times["whole"] - times["twice"]) / blocks * 1e3}
     if "none" in times:
         # the blocks are narrow: their kernels' compute is a small part of the step,
-        # which is nearly all host time (a slight overestimate of op_us)
-        out["op_us"] = times["none"] * 1e3 / len(tl.ops)
-        out["untimed_op_us"] = untimed_us = max(0.0, (times["none"] - stats.step_ms) * 1e3 / len(tl.ops))
+        # which is nearly all host time (a slight overestimate of the host's part)
+        forward = [ms for ms, phase in zip(tl.ms, tl.phases) if phase != "backward"]
+        backward = [ms for ms, phase in zip(tl.ms, tl.phases) if phase == "backward"]
+        fw_ms, bw_ms = forwards["none"], times["none"] - forwards["none"]
+        out["op_us"] = fw_ms * 1e3 / len(forward)
+        out["untimed_op_us"] = untimed_us = max(0.0, (fw_ms - sum(forward)) * 1e3 / len(forward))
+        out["backward_op_us"] = bw_ms * 1e3 / len(backward)
+        # negative where timing an op from Python counts more than the engine pays; bounded,
+        # so that kernel timings taken in a slow moment cannot make backward ops free
+        out["backward_untimed_us"] = max(-0.5 * out["backward_op_us"], (bw_ms - sum(backward)) * 1e3 / len(backward))
     if "selective" in times:  # its replay: the whole forward but the cached matmul
         kept = next(e for e in range(w0, w1) if tl.ops[e] == "addmm")
         kept_us = tl.ms[kept] * 1e3 + untimed_us
@@ -271,25 +305,31 @@ def _figures(setup: dict, times: dict[str, float]) -> dict:
     return out
 
 
-def _timed(variants: dict, x: torch.Tensor, rounds: int) -> dict:
-    """Least ms of a forward and backward per variant, over interleaved rounds
-    (the figures are differences of these: the least is the steadiest on a
-    shared machine, whose noise only adds time)."""
+def _timed(variants: dict, x: torch.Tensor, rounds: int) -> tuple[dict, dict]:
+    """Least ms of a forward and backward per variant, and least ms of its
+    forward alone, over interleaved rounds (the figures are differences of
+    these: the least is the steadiest on a shared machine, whose noise only
+    adds time)."""
     samples: dict[str, list[float]] = {k: [] for k in variants}
+    forwards: dict[str, list[float]] = {k: [] for k in variants}
 
-    def step(m):
-        m(x).sum().backward()
+    def step(m) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        loss = m(x).sum()
+        t1 = time.perf_counter()
+        loss.backward()
         m.zero_grad(set_to_none=True)
+        return (t1 - t0) * 1e3, (time.perf_counter() - t0) * 1e3
 
     for m in variants.values():
         step(m)
     for _ in range(rounds):
         for name, m in variants.items():
             for _ in range(3):
-                t = time.perf_counter()
-                step(m)
-                samples[name].append((time.perf_counter() - t) * 1e3)
-    return {k: min(v) for k, v in samples.items()}
+                fw, whole = step(m)
+                forwards[name].append(fw)
+                samples[name].append(whole)
+    return {k: min(v) for k, v in samples.items()}, {k: min(v) for k, v in forwards.items()}
 
 
 __all__ = ["HostCosts", "calibrate", "host_costs"]

@@ -234,17 +234,18 @@ class CostModel:
         self.unknown_ops: set[str] = set()
         self._timings = TimingCache() if spec.measured else None
 
-    def op_ms(self, func, args, kwargs, out) -> tuple[float, int]:
+    def op_ms(self, func, args, kwargs, out, backward: bool = False) -> tuple[float, int]:
         """(milliseconds, FLOPs) of one op call on the target, the host's
-        dispatch included (:meth:`with_host`); a view's is only that."""
+        dispatch included (:meth:`with_host`); a view's is only that.
+        ``backward``: called by the autograd engine (less host time)."""
         ms, flops = self._kernel_ms(func, args, kwargs, out)
-        return self.with_host(ms), flops
+        return self.with_host(ms, backward), flops
 
-    def with_host(self, kernel_ms: float) -> float:
+    def with_host(self, kernel_ms: float, backward: bool = False) -> float:
         """An op call's time with the host's (:meth:`autosac.host.HostCosts.op_ms`):
         on a GPU the two overlap (the longer counts: a short kernel waits for
         the next op to be issued); on the CPU they add up."""
-        return self.host.op_ms(kernel_ms, self.spec.device_type, timed=self.spec.measured)
+        return self.host.op_ms(kernel_ms, self.spec.device_type, timed=self.spec.measured, backward=backward)
 
     def _kernel_ms(self, func, args, kwargs, out) -> tuple[float, int]:
         if is_view_op(func):

@@ -567,7 +567,7 @@ class StepRecorder(TorchDispatchMode):
                 self.rec.origins[len(self.rec.ops)] = origin
         else:
             phase, stack = self.phase, self._stack_t
-        ms, flops = self.cost.op_ms(func, args, kwargs, out)
+        ms, flops = self.cost.op_ms(func, args, kwargs, out, backward=phase == "backward")
         view = is_view_op(func)
         writes = writes_input(func)
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
