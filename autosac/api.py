@@ -32,7 +32,7 @@ def solve(
     max_choices: int = 16,
     presolve: bool = True,
     compile: str | None = None,
-    routing="balanced",
+    routing=None,
 ) -> Plan:
     """Pick which modules to checkpoint, and how much of each one's activations
     to discard, so the step's peak fits ``budget`` with the least recompute time.

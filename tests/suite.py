@@ -87,7 +87,7 @@ def check_model(
     """
     model, inputs = build()
     stats = autosac.profile(model, inputs, loss_fn=loss_fn, target=target, optimizer=optimizer, autocast=autocast,
-                            output_held=output_held, routing=routing or "balanced")
+                            output_held=output_held, routing=routing)
     routed = nullcontext
     if routing is not None:
         calls = [RouterCall(**c) for c in stats.routing["routers"]]

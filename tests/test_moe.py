@@ -237,12 +237,27 @@ def _observed(model, inputs, stats) -> ObservedRouting:
     return seen
 
 
+@pytest.mark.parametrize("name", ["mixtral-grouped_mm", "qwen3_moe-grouped_mm"])
+def test_grouped_experts_read_no_routing_values_and_plan_without_an_assumption(name):
+    """The default experts path sizes everything by ``tokens * top_k``: no value
+    of the routing is read, so none is assumed, and the plan (per-op choices
+    allowed) holds for whatever routing the data takes."""
+    make, loss_fn = MOE[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model, inputs = seeded(make)()
+        stats = autosac.profile(model, inputs, loss_fn=loss_fn, target="cpu", optimizer="sgd")
+    assert stats.routing == {} and not any(m.routed for m in stats.modules.values())
+    rows = check_model(name, seeded(make), loss_fn=loss_fn, labels=("70%", "least"))
+    assert [r.budget for r in rows if r.bitwise] == ["70%", "least"], rows
+
+
 @pytest.mark.parametrize("name", ["top2-capacity", "mixtral-eager-jitter"])
 def test_real_routing_keeps_a_budget_planned_for_the_capacity_factor_it_measures(name):
     make, loss_fn = MOE[name]
     build = seeded(make)
     model, inputs = build()
-    balanced = autosac.profile(model, inputs, loss_fn=loss_fn, target="cpu", optimizer="sgd")
+    balanced = autosac.profile(model, inputs, loss_fn=loss_fn, target="cpu", optimizer="sgd", routing="balanced")
     seen = _observed(copy.deepcopy(model).eval(), inputs, balanced)
     assert len(seen.factors) == len(balanced.routing["routers"])
     assert seen.capacity_factor > 1.0  # random weights route unevenly
@@ -266,14 +281,14 @@ def test_worst_routing_plans_for_every_token_on_top_k_experts():
     routers = worst.routing["routers"]
     assert len(routers) == 4 and all(c["top_k"] == 2 and c["experts"] == 8 and c["tokens"] == 1024 for c in routers)
     # capacity-limited: worst routing drops tokens, so the step holds no more than balanced's
-    balanced = autosac.profile(model, inputs, loss_fn=loss_fn, target="cpu", optimizer="sgd")
+    balanced = autosac.profile(model, inputs, loss_fn=loss_fn, target="cpu", optimizer="sgd", routing="balanced")
     assert worst.peak_bytes <= balanced.peak_bytes
 
 
 def test_routed_modules_are_checkpointed_only_whole_and_plainly():
     make, loss_fn = MOE["mixtral-eager-jitter"]
     model, inputs = seeded(make)()
-    stats = autosac.profile(model, inputs, loss_fn=loss_fn, target="cpu", optimizer="sgd")
+    stats = autosac.profile(model, inputs, loss_fn=loss_fn, target="cpu", optimizer="sgd", routing="balanced")
     routed = {f for f, m in stats.modules.items() if m.routed}
     assert "model.layers.0.mlp.experts" in routed and "model.layers.0.mlp.gate" in routed
     assert "model.layers.0.self_attn" not in routed
@@ -301,6 +316,61 @@ def test_a_model_without_routing_records_none():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     stats = autosac.profile(model, torch.randn(4, 8), target="cpu")
     assert stats.routing == {} and not any(m.routed for m in stats.modules.values())
+
+
+class _MaxPooled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj, self.head = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(self.proj(x).max(dim=1).values)  # a max over a dim whose indices nothing reads
+
+
+def test_picks_whose_values_nothing_reads_are_not_routing():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no routing warning either
+        stats = autosac.profile(_MaxPooled(), torch.randn(4, 8, 16), target="cpu")
+    assert stats.routing == {} and not any(m.routed for m in stats.modules.values())
+    assert "MoE routing" not in str(autosac.solve(stats, "least"))
+
+
+class _KeepsClassZero(nn.Module):
+    """Not an MoE: keeps the tokens whose predicted class is 0 -- a number of the data."""
+
+    def __init__(self):
+        super().__init__()
+        self.cls, self.big = nn.Linear(32, 4), nn.Linear(32, 64)
+
+    def forward(self, x):
+        keep = torch.nonzero(self.cls(x).argmax(-1) == 0).squeeze(-1)
+        return self.big(x[keep]).sum() + self.cls(x).sum()
+
+
+def test_values_read_from_picks_are_planned_for_balanced_picks_and_said_so():
+    with pytest.warns(UserWarning, match=r"autosac: the forward reads values picked by argmax from activations "
+                                         r"\(1 picks, in \(root\)\): planned for balanced picks"):
+        stats = autosac.profile(_KeepsClassZero(), torch.randn(64, 32), target="cpu")
+    assert stats.routing["assumption"] == {"kind": "balanced", "capacity_factor": 1.0}
+    assert [(c["op"], c["tokens"], c["top_k"], c["experts"]) for c in stats.routing["routers"]] == [("argmax", 64, 1, 4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # stated: no warning
+        stated = autosac.profile(_KeepsClassZero(), torch.randn(64, 32), target="cpu", routing="worst")
+    assert stated.peak_bytes > stats.peak_bytes  # every token of class 0: the big layer sees all 64
+
+
+def test_a_huge_pick_is_not_laid_out_for_real():
+    class SortsLogits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            logits = self.lin(x).repeat(1, 1, 1 << 17)  # 2 x 16 x 2**20 scores
+            return logits.sort(dim=-1).values[..., :4].sum()
+
+    stats = autosac.profile(SortsLogits(), torch.randn(2, 16, 8), target="cpu", routing="balanced")
+    assert stats.routing == {}  # 2**25 picks: left fake, as nothing reads them
 
 
 def test_verify_reports_a_busier_routing_than_planned_and_the_assumption_that_covers_it():
@@ -345,7 +415,7 @@ def test_steps_stay_bitwise_when_the_jitter_draws_from_the_rng_in_the_recompute(
     make, loss_fn = MOE["top2-capacity"]
     build = seeded(make)
     model, inputs = build()
-    stats = autosac.profile(model, inputs, loss_fn=loss_fn, target="cpu", optimizer="sgd")
+    stats = autosac.profile(model, inputs, loss_fn=loss_fn, target="cpu", optimizer="sgd", routing="balanced")
     plan = autosac.solve(stats, "least")
     assert any(".moe" in f or f.startswith("blocks.") for f in plan.decisions)
     ref, _ = build()

@@ -328,6 +328,33 @@ def _mechanism(stats: ModelStats, m, fqn: str, window, op_ids: list[int], n_item
     return mechanism, whole_ms
 
 
+def _written_after_read(stats: ModelStats, window) -> set[int]:
+    """Events inside the forward ``window`` whose result a later call of it
+    writes in place after another call read it (a router's ``w /= w.sum()``
+    on its top-k weights).  A replay that cached such a result but re-ran
+    the reader would hand the reader the written value (the applier refuses
+    that call at run time): a plan either re-runs the maker with its writers,
+    or checkpoints the module plainly."""
+    tl = stats.timeline
+    read: set[int] = set()  # events made inside whose result a call has read so far
+    found: set[int] = set()
+    for e in range(window[0], window[1]):
+        made_inside = [p for p in tl.inputs[e] if window[0] <= p < e]
+        if tl.writes[e]:  # a writer's own read of what it writes is part of the write
+            found.update(p for p in made_inside if p in read)
+        else:
+            read.update(made_inside)
+    return found
+
+
+def _kept_anyway(stats: ModelStats, fqn: str, window, op_ids: list[int], events: list[int]) -> list[int]:
+    """Saved ops of ``fqn``'s forward that no choice discards (their output is
+    also the module's): every checkpoint of it keeps them."""
+    ids = set(op_ids)
+    inside = stats.saved_ops[bisect.bisect_left(events, window[0]) : bisect.bisect_left(events, window[1])]
+    return [op.id for op in inside if not op.param_cast and op.id not in ids and saved_inside(op.savers, fqn)]
+
+
 def _calls(stats: ModelStats, m) -> list[tuple[list[int], list[int]]] | None:
     """``(forward window, backward span)`` of each call of module ``m``, or None
     when it cannot be a checkpoint region: a call without a backward, a backward
@@ -442,12 +469,19 @@ def build_problem(stats: ModelStats, max_choices: int = 16, keep_random: bool = 
         cum_t = np.asarray(costs)
         cum_first = np.cumsum([sum(stats.saved_ops[i].bytes for i in it) for it in items])
         picks = _choice_indices(cum_first, cum_t, max_choices)
-        if m.routed:  # its op calls follow the data's routing: only whole, plain checkpointing matches none
+        written = _written_after_read(stats, first)
+        if any(stats.saved_ops[i].event in written for i in _kept_anyway(stats, fqn, first, op_ids, events)):
+            continue  # any checkpoint of it would cache a result it writes after re-run calls read it
+        whole_only = m.routed
+        if whole_only:  # its op calls follow the data's routing: only whole, plain checkpointing matches none
             picks = [len(items)]
+        if written:  # choices that keep such a result (cache it) while re-running its reader are not offered
+            risky = {i for i in op_ids if stats.saved_ops[i].event in written}
+            picks = [k for k in picks if risky <= {i for it in items[:k] for i in it}] or [len(items)]
         mechanism, whole_ms = _mechanism(stats, m, fqn, first, op_ids, len(items), picks, host, events)
         if keep_random:  # compiled regions recompute what their graph needs: no plain path
             whole_ms = None
-        if m.routed and whole_ms is None:
+        if whole_only and whole_ms is None:
             continue
         group = []
         for j, (window, span) in enumerate(calls):

@@ -40,7 +40,7 @@ def profile(
     autocast: torch.dtype | None = None,
     shard_units: list[str] | str | None = None,
     output_held: bool = True,
-    routing="balanced",
+    routing=None,
 ) -> ModelStats:
     """Trace one training step (forward, loss, backward, optimizer step) under
     FakeTensorMode and return its memory, runtime and recompute statistics.
@@ -85,8 +85,12 @@ def profile(
             gets, which a fake trace cannot see: ``"balanced"`` (every expert
             ``tokens * top_k / experts``), a capacity factor such as ``1.25``
             (the busiest experts get 1.25 times that) or ``"worst"`` (all tokens
-            to ``top_k`` experts).  See :mod:`autosac.trace.routing`; recorded
-            in ``stats.routing`` (empty for a model that routes nothing).
+            to ``top_k`` experts).  ``None`` (the default): balanced, only where
+            the forward reads the values of picks (``topk``, ``argmax``, ...)
+            made from activations, with a warning that says so; a forward that
+            never reads them is traced without any.  See
+            :mod:`autosac.trace.routing`; recorded in ``stats.routing`` (empty
+            when no pick was laid out).
 
     Returns:
         ModelStats: plain, JSON-serialisable statistics.
@@ -123,7 +127,7 @@ def profile(
     mixed = _mixed_precision(model, world_size, param_dtype, reduce_dtype)
     check_autocast_dtype(autocast)
     check_output_held(output_held)
-    assumed = parse_routing(routing)
+    assumed = None if routing is None else parse_routing(routing)
     refuse_sharded(model, world_size)
     units = resolve_shard_units(model, shard_units, world_size)
     cost = CostModel(spec)
@@ -148,7 +152,8 @@ def profile(
     stats.shard_units = units
     stats.output_held = output_held
     routers = step.recording.routers
-    stats.routing = {"assumption": assumed.to_dict(), "routers": [asdict(c) for c in routers]} if routers else {}
+    stats.routing = {"assumption": (assumed or parse_routing("balanced")).to_dict(),
+                     "routers": [asdict(c) for c in routers]} if routers else {}
     # preserve_rng_state keeps the CPU generator state (and a device's) per checkpoint call
     stats.checkpoint_state_bytes = torch.get_rng_state().numel() + (16 if not spec.measured else 0)
     return stats

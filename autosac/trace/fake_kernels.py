@@ -36,6 +36,17 @@ def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     group, 3-d by 3-d a batched matmul."""
     if mat_a.dtype not in _GROUPED_DTYPES or mat_b.dtype != mat_a.dtype:
         return None
+    # the checks the real kernel makes besides the dtype: a wrong shape fails here as it would there
+    torch._check(mat_a.dim() in (2, 3) and mat_b.dim() in (2, 3),
+                 lambda: f"Multiplicands must be 2D or 3D but got mat_a.dim()={mat_a.dim()} and mat_b.dim()={mat_b.dim()}")
+    torch._check(mat_a.size(-1) == mat_b.size(-2) or (mat_a.dim() == 2 and mat_b.dim() == 2),
+                 lambda: "contraction dimension of mat_a and mat_b must match")
+    torch._check((offs is not None) == (mat_a.dim() == 2 or mat_b.dim() == 2),
+                 lambda: "offs is required exactly when one of the matrices is 2D")
+    if offs is not None:
+        torch._check(offs.dim() == 1 and offs.dtype == torch.int32, lambda: "offs must be a 1D int32 tensor")
+        torch._check(mat_b.dim() == 2 or offs.size(0) == mat_b.size(0), lambda: "matrix batch sizes have to match")
+        torch._check(mat_a.dim() == 2 or offs.size(0) == mat_a.size(0), lambda: "matrix batch sizes have to match")
     if mat_a.dim() == 2 and mat_b.dim() == 2:
         if offs is None:
             return None
@@ -115,10 +126,13 @@ def run_fake(func, args, kwargs):
     if out is not None:
         return out
     name = f"{func.namespace}.{func.overloadpacket.__name__}"
+    real = "untried"
     try:
         out = _follow_real(func, args, kwargs)
     except Exception:  # noqa: BLE001 - the real kernel refuses them too: the inputs' fault
-        raise FakeKernelError(name, error, "raised") from None
+        out, real = None, "raised"
+    # raised here, outside the handler: the probe's exception (its frames hold the zeros it
+    # ran on) is not kept as the context of the error the user sees
     if out is None:
-        raise FakeKernelError(name, error, "untried") from None
+        raise FakeKernelError(name, error, real)
     return out

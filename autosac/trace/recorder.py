@@ -29,7 +29,7 @@ from autosac.dataflow import DataflowTracker
 from autosac.opkinds import is_random_op, is_view_op, writes_input, written_tensors
 from autosac.trace.costs import CostModel, transient_bytes
 from autosac.trace.fake_kernels import run_fake
-from autosac.trace.routing import ROUTED_NUMEL, ROUTING_OPS, RoutingTrace, is_routing_source
+from autosac.trace.routing import ROUTED_NUMEL, RoutingTrace
 
 Stack = tuple[str, ...]
 _ACCUMULATE_GRAD_SEQ = 2**64 - 1
@@ -554,9 +554,12 @@ class StepRecorder(TorchDispatchMode):
         if self._pending:
             self._flush_pending()
         ran = run_op(func, args, kwargs, self._made_in_trace, self.fake_mode, self.small_values, self.routing)
-        routed = self.small_values and self.phase == "forward" and self._routed(func, args, kwargs)
-        if routed and torch._C._current_autograd_node() is None:
+        routed = False
+        if self.routing.active and self.phase == "forward" and torch._C._current_autograd_node() is None:
+            picks = len(self.routing.calls)
             ran = self.routing.route(func, args, kwargs, ran, self._stack_t[-1] if self._stack_t else "")
+            routed = len(self.routing.calls) > picks or self.routing.reads_routing(
+                a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor))
         out = with_kernel_layout(func, args, ran)
 
         rec = self.rec
@@ -618,13 +621,6 @@ class StepRecorder(TorchDispatchMode):
             # grad_fn is attached above this dispatch level: resolve it at the next op
             self._pending.extend((weakref.ref(t), stack, idx) for t in outs if t.is_floating_point())
         return out
-
-    def _routed(self, func, args, kwargs) -> bool:
-        """Whether the op reads a tensor derived from a routing decision, or
-        may make one (picks indices from scores)."""
-        if func.overloadpacket.__name__ in ROUTING_OPS and is_routing_source(func, args, kwargs):
-            return True
-        return self.routing.reads_routing(a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor))
 
     def _loose_scalar_bytes(self, args) -> int:
         """Bytes of real 0-dim cpu tensors the op reads that the trace never saw

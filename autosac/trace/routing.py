@@ -14,8 +14,13 @@ trace therefore plans for a stated :class:`Routing`:
 * ``"worst"``: all tokens go to the first ``top_k`` experts (the capacity
   factor ``experts / top_k``).
 
-Where the router picks experts -- a ``topk``, ``max``/``argmax`` or ``sort``
-over a fake floating tensor -- the trace hands back *real* index tensors laid
+Routing is laid out only where the step depends on it: the trace first runs
+with every pick fake, and only a forward that reads the values of picks made
+from activations (an eager experts loop, a capacity-limited or
+sort-and-split dispatch) is traced again with them laid out -- or from the
+start, when the user states a routing.  Where the router picks experts -- a
+``topk``, ``max``/``argmax`` or ``sort`` over a fake floating tensor (up to
+``ROUTED_NUMEL`` picks) -- the trace then hands back *real* index tensors laid
 out as the routing says (each row's picks distinct, as a top-k's are).  Every
 op that then reads them (``one_hot``, ``nonzero``, ``where``, ``bincount``,
 ``histc``, ``sort``, ``cumsum``, ``.tolist()``, a Python ``if`` on an expert
@@ -173,10 +178,6 @@ def _source(func, args, kwargs) -> tuple[torch.Tensor, int, int] | None:
     return None
 
 
-# the ops :func:`_source` knows (by packet name)
-ROUTING_OPS = frozenset({"topk", "max", "min", "argmax", "argmin", "sort"})
-
-
 def is_routing_source(func, args, kwargs) -> bool:
     """Whether the op picks indices from fake floating scores (a routing
     decision the trace cannot see the values of)."""
@@ -196,8 +197,9 @@ class RoutingTrace:
     real indices as :attr:`routing` lays them out, and ops reading tensors
     derived from them run for real (see the module docstring)."""
 
-    def __init__(self, routing: Routing = BALANCED) -> None:
+    def __init__(self, routing: Routing = BALANCED, active: bool = True) -> None:
         self.routing = routing
+        self.active = active  # False: routing decisions stay fake (a forward that never reads their values)
         self.calls: list[RouterCall] = []
         self._derived: dict[int, weakref.ref] = {}
 
@@ -218,9 +220,11 @@ class RoutingTrace:
     def route(self, func, args, kwargs, out, module: str):
         """``out`` with real routed indices when ``func`` picks indices from
         fake floating scores (else ``out`` unchanged)."""
-        if not is_routing_source(func, args, kwargs):
+        if not self.active or not is_routing_source(func, args, kwargs):
             return out
         x, dim, k = _source(func, args, kwargs)
+        if math.prod(x.shape) // max(x.shape[dim], 1) * k > ROUTED_NUMEL:
+            return out  # too many picks to lay out for real (a sort over a vocabulary's logits)
         slot = _indices_slot(func)
         fake_idx = out if slot is None else out[slot]
         n = x.shape[dim]

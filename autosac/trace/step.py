@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -89,7 +90,7 @@ def trace_step(
     compile_backend: str | None = None,
     small_values: bool = True,
     output_held: bool = True,
-    routing: Routing = BALANCED,
+    routing: Routing | None = None,
 ) -> TracedStep:
     """Trace forward, loss, backward and optimizer step; return the raw recording.
 
@@ -129,12 +130,43 @@ def trace_step(
             # FSDP2's mixed precision casts floating inputs to param_dtype too
             args, kwargs = tree_map(lambda x: _trace_input(x, param_dtype), (real_args, real_kwargs))
             once = (model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast, runner, small_values,
-                    output_held, routing)
-            step = _trace_once(*once)
+                    output_held)
+            step = _trace_routed(once, routing, before)
             if before.grew():
-                step = _trace_once(*once)
+                step = _trace_routed(once, routing, before)
     finally:
         before.install()
+    return step
+
+
+class ValueBranchError(TraceError):
+    """The forward read a tensor's values, which a fake trace does not have."""
+
+
+def _trace_routed(once: tuple, routing: Routing | None, before) -> TracedStep:
+    """One recorded step, routing decisions laid out by ``routing`` when it is
+    given; else (:mod:`autosac.trace.routing`) they stay fake unless the
+    trace needs their values: a forward that reads values picked from fake
+    scores is traced again with balanced picks, and says so."""
+    if routing is not None:
+        return _trace_once(*once, routing=routing, route=True)
+    try:
+        return _trace_once(*once, routing=BALANCED, route=False)
+    except ValueBranchError as e:
+        failed = e
+    before.install()  # as the failed attempt found the model
+    try:
+        step = _trace_once(*once, routing=BALANCED, route=True)
+    except ValueBranchError:
+        raise failed from None
+    if not step.recording.routers:
+        raise failed from None
+    where = sorted({c.module or "(root)" for c in step.recording.routers})
+    warnings.warn(
+        f"autosac: the forward reads values picked by {step.recording.routers[0].op} from activations "
+        f"({len(step.recording.routers)} picks, in {', '.join(where[:3])}{' ...' if len(where) > 3 else ''}): "
+        "planned for balanced picks, as for mixture-of-experts routing; pass routing= (a capacity factor, or "
+        "'worst') to plan for another, or routing='balanced' to say this is intended", stacklevel=4)
     return step
 
 
@@ -202,14 +234,14 @@ def _trace_input(x, dtype: torch.dtype | None = None):
 
 
 def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast=None,
-                compiled=None, small_values=True, output_held=True, routing=BALANCED) -> TracedStep:
+                compiled=None, small_values=True, output_held=True, routing=BALANCED, route=True) -> TracedStep:
     """One recorded step on a model whose parameters are already fake (run
     through ``compiled``, its ``torch.compile`` wrapper, when given)."""
     names = {id(m): fqn for fqn, m in model.named_modules()}
     recorder = (StepRecorder if compiled is None else CompiledStepRecorder)(cost_model)
     recorder.fake_mode = mode
     recorder.small_values = small_values
-    recorder.routing = RoutingTrace(routing)
+    recorder.routing = RoutingTrace(routing, active=route)
     recorder.device_type = cost_model.spec.device_type
     opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
     _init_optimizer_state(model, opt)
@@ -399,7 +431,7 @@ def _run_forward(model: nn.Module, args: tuple, kwargs: dict, recorder: StepReco
         name = where or "(root)"
         mod = model.get_submodule(where) if where else model
         if type(e).__name__ in ("DataDependentOutputException", "DynamicOutputShapeException"):
-            raise TraceError(
+            raise ValueBranchError(
                 f"forward of module '{name}' ({type(mod).__name__}) branches on tensor values ({e}), "
                 "which a fake-mode trace cannot see: trace with inputs that take the usual branch "
                 "behind a Python flag, or make the branch depend on shapes only"
