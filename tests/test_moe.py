@@ -434,3 +434,30 @@ def test_a_plan_for_worst_routing_holds_when_the_step_routes_so():
     rows = check_model("sorted-split-worst", seeded(make), loss_fn=loss_fn, routing="worst", labels=("70%", "least"),
                        optimizer="none")
     assert [r.budget for r in rows if r.bitwise] == ["70%", "least"], rows
+
+
+class _MaskDispatch(nn.Module):
+    """Top-1 routing dispatched by boolean masks: ``out[mask] = expert(x[mask])``."""
+
+    def __init__(self, d: int = 32, experts: int = 4):
+        super().__init__()
+        self.gate = nn.Linear(d, experts)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+                                     for _ in range(experts))
+        self.head = nn.Linear(d, d)
+
+    def forward(self, x):
+        pick = self.gate(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            mask = pick == i
+            out[mask] = expert(x[mask])
+        return self.head(out + x).pow(2).mean()
+
+
+def test_boolean_mask_dispatch_is_sized_by_the_routing():
+    build = seeded(lambda: (_MaskDispatch(), torch.randn(512, 32)))
+    stats = autosac.profile(*build(), target="cpu", routing="balanced")
+    assert [(c["op"], c["top_k"], c["experts"]) for c in stats.routing["routers"]] == [("argmax", 1, 4)]
+    rows = check_model("mask-dispatch", build, routing="balanced", labels=("70%", "least"))
+    assert [r.budget for r in rows if r.bitwise] == ["70%", "least"], rows

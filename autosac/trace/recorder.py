@@ -29,7 +29,7 @@ from autosac.dataflow import DataflowTracker
 from autosac.opkinds import is_random_op, is_view_op, writes_input, written_tensors
 from autosac.trace.costs import CostModel, transient_bytes
 from autosac.trace.fake_kernels import run_fake
-from autosac.trace.routing import ROUTED_NUMEL, RoutingTrace
+from autosac.trace.routing import ROUTED_NUMEL, RoutingTrace, with_long_indices
 
 Stack = tuple[str, ...]
 _ACCUMULATE_GRAD_SEQ = 2**64 - 1
@@ -155,7 +155,7 @@ def run_op(func, args, kwargs, made_in_trace=lambda t: False, fake_mode=None, sm
     tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
     if not small_values or any(isinstance(t, FakeTensor) or t.requires_grad or t.device.type != "cpu"
                                for t in tensors):
-        return run_fake(func, args, kwargs)
+        return run_fake(func, with_long_indices(func, args, routed), kwargs)
     from_routing = routed is not None and routed.reads_routing(tensors)
     if sum(t.numel() for t in tensors) > (ROUTED_NUMEL if from_routing else SMALL_NUMEL):
         return run_fake(func, args, kwargs)

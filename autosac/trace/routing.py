@@ -144,6 +144,30 @@ def routed_indices(shape: tuple[int, ...], dim: int, n: int, routing: Routing) -
     return picks.reshape(*other, k).movedim(-1, dim).contiguous()
 
 
+_INDEXING = ("index", "index_put", "index_put_", "_index_put_impl_")
+
+
+def with_long_indices(func, args, trace: RoutingTrace | None):
+    """``args`` of an indexing op (``x[mask]``, ``x[mask] = y``) with each real
+    boolean index derived from routing replaced by the long indices of its
+    true elements, as ATen expands a mask itself: the fake kernel then sizes
+    the result from them instead of failing on a mask it cannot read."""
+    if trace is None or func.overloadpacket.__name__ not in _INDEXING or len(args) < 2:
+        return args
+    indices = args[1]
+    if not isinstance(indices, (list, tuple)) or not any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool and trace.is_derived(i) for i in indices):
+        return args
+    expanded = []
+    with unset_fake_temporarily():
+        for i in indices:
+            if isinstance(i, torch.Tensor) and i.dtype == torch.bool and trace.is_derived(i):
+                expanded.extend(i.nonzero().unbind(1))
+            else:
+                expanded.append(i)
+    return (args[0], expanded, *args[2:])
+
+
 @dataclass
 class RouterCall:
     """One routing decision the forward made: the op, where (module fqn),
