@@ -41,7 +41,7 @@ def verify_plan_file(args) -> int:
     model, inputs = build_from_spec(args.model, args.model_arg, args.batch, args.seq, device=device)
     amp = getattr(torch, plan.autocast) if plan.autocast else None
     loop = dict(steps=args.steps, optimizer=plan.optimizer, autocast=amp, output_held=plan.output_held)
-    baseline_model = copy.deepcopy(model)
+    routed = copy.deepcopy(model) if plan.routing else None  # the weights the routing is measured with
     baseline = autosac.measure(copy.deepcopy(model), inputs, **loop)
     autosac.apply(model, plan)
     run = model
@@ -71,7 +71,7 @@ def verify_plan_file(args) -> int:
     print(f"budget {format_bytes(plan.budget_bytes)}: {'kept' if ok else 'EXCEEDED'}"
           + ("" if ok else f" by {format_bytes(planned.peak_bytes - plan.budget_bytes)}"))
     if plan.routing:
-        print(routing_report(plan, measured_routing(baseline_model, inputs, plan, amp), ok))
+        print(routing_report(plan, measured_routing(routed, inputs, plan, amp), ok))
     return 0 if ok else 1
 
 
@@ -102,8 +102,8 @@ def routing_report(plan, seen, kept: bool) -> str:
             f"{factor:.2f}x its balanced share (capacity factor {factor:.2f}) over {len(seen.factors)} "
             "routing decisions")
     if not kept and factor > assumed.capacity_factor:
-        text += (f"\nthe real routing is busier than the plan assumed: re-plan with --routing {math.ceil(factor * 100) / 100:g} "
-                 "(or --routing worst) for a budget that holds under it")
+        text += ("\nthe real routing is busier than the plan assumed: re-plan with "
+                 f"--routing {math.ceil(factor * 100) / 100:g} for a budget that holds under it")
     return text
 
 

@@ -305,8 +305,8 @@ def _recompute_extra(stats: ModelStats, m, items: list[list[int]], picks: list[i
     return out
 
 
-def _mechanism(stats: ModelStats, m, fqn: str, window, op_ids: list[int], n_items: int, picks: list[int],
-               host: HostCosts, events: list[int]) -> tuple[list[float], float | None]:
+def _mechanism(stats: ModelStats, m, window, n_items: int, picks: list[int], host: HostCosts,
+               kept_anyway: bool) -> tuple[list[float], float | None]:
     """Per choice, what checkpointing one call of ``fqn`` costs the host
     (:mod:`autosac.host`), and the recompute time of the choice that discards
     everything when it runs plainly (None when it cannot).
@@ -316,10 +316,8 @@ def _mechanism(stats: ModelStats, m, fqn: str, window, op_ids: list[int], n_item
     plain path): the call's mechanism (per call and per tensor it saves) and
     its whole forward re-run.  Any other choice is selective: the same, plus
     the dispatch modes' cost on every op call of the forward, there and again
-    in the replay.  ``events``: the saved ops' events (they are in event order)."""
-    ids = set(op_ids)
-    inside = stats.saved_ops[bisect.bisect_left(events, window[0]) : bisect.bisect_left(events, window[1])]
-    kept_anyway = any(not op.param_cast and op.id not in ids and saved_inside(op.savers, fqn) for op in inside)
+    in the replay.  ``kept_anyway``: the module has saved ops no choice
+    discards (:func:`_kept_anyway`), so no choice runs plainly."""
     can_be_plain = not m.writes_outside and not kept_anyway
     ops = window[1] - window[0]
     saved = m.saved_tensors[0] if m.saved_tensors else 0  # the first call's; the calls run alike
@@ -470,7 +468,8 @@ def build_problem(stats: ModelStats, max_choices: int = 16, keep_random: bool = 
         cum_first = np.cumsum([sum(stats.saved_ops[i].bytes for i in it) for it in items])
         picks = _choice_indices(cum_first, cum_t, max_choices)
         written = _written_after_read(stats, first)
-        if any(stats.saved_ops[i].event in written for i in _kept_anyway(stats, fqn, first, op_ids, events)):
+        kept = _kept_anyway(stats, fqn, first, op_ids, events)
+        if any(stats.saved_ops[i].event in written for i in kept):
             continue  # any checkpoint of it would cache a result it writes after re-run calls read it
         whole_only = m.routed
         if whole_only:  # its op calls follow the data's routing: only whole, plain checkpointing matches none
@@ -478,7 +477,7 @@ def build_problem(stats: ModelStats, max_choices: int = 16, keep_random: bool = 
         if written:  # choices that keep such a result (cache it) while re-running its reader are not offered
             risky = {i for i in op_ids if stats.saved_ops[i].event in written}
             picks = [k for k in picks if risky <= {i for it in items[:k] for i in it}] or [len(items)]
-        mechanism, whole_ms = _mechanism(stats, m, fqn, first, op_ids, len(items), picks, host, events)
+        mechanism, whole_ms = _mechanism(stats, m, first, len(items), picks, host, bool(kept))
         if keep_random:  # compiled regions recompute what their graph needs: no plain path
             whole_ms = None
         if whole_only and whole_ms is None:
