@@ -43,6 +43,9 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drop-output", action="store_true",
                    help="plan for a loop that drops the model's output at the loss (loss_fn(model(x)).backward()); "
                         "default: `out = model(x)` held through backward (verify runs the plan's own loop)")
+    p.add_argument("--grad-accumulation", type=_positive_int, default=1, metavar="N",
+                   help="micro-batches per optimizer step (--batch is one micro-batch): plan for the micro-batch "
+                        "that runs with every gradient already alive (default: 1)")
     p.add_argument("--routing", default=None, metavar="ROUTING",
                    help="mixture-of-experts models: the routing to plan for: balanced, worst, or a capacity factor "
                         "such as 1.25 (the busiest experts get 1.25x the balanced load); default: balanced where "
@@ -111,7 +114,8 @@ def _profile(args):
     with _Progress(args.quiet).stage(f"profiling {type(model).__name__} (one training step in fake mode)"):
         stats = autosac.profile(model, inputs, optimizer=args.optimizer, target=args.target,
                                 world_size=args.world_size, shard_units=args.shard_units,
-                                output_held=not args.drop_output, routing=args.routing, **dtypes)
+                                output_held=not args.drop_output, routing=args.routing,
+                                grad_accumulation=args.grad_accumulation, **dtypes)
     if args.downcast_gather:
         stats = autosac.zero3.with_downcast_gather(stats, dtypes["autocast"])
     return stats, model, inputs

@@ -66,6 +66,7 @@ def measure(
     optimizer: OptimizerSpec = "adamw",
     autocast: torch.dtype | None = None,
     output_held: bool = True,
+    grad_accumulation: int = 1,
 ) -> Measurement:
     """Run ``steps`` real training steps (after one warm-up that creates the
     optimizer state) and one more under the profiler for the memory peak.
@@ -84,12 +85,17 @@ def measure(
             the next forward returns; ``False``: ``loss_fn(model(x))``, the
             output dropped when the loss exists.  Use the plan's setting
             (``plan.output_held``).
+        grad_accumulation: micro-batches per optimizer step: each step runs
+            forward and backward this many times on ``example_inputs``, then
+            the optimizer step; ``peak_bytes`` is the most over the whole
+            step and ``step_ms`` its time.  Use the plan's setting
+            (``plan.grad_accumulation``; 2 already reaches its peak).
 
     Returns:
         Measurement with ``.peak_bytes`` and ``.step_ms``.
 
     Raises:
-        ValueError: ``steps < 1``, a model on ``meta`` (nothing to run), an
+        ValueError: ``steps < 1`` or ``grad_accumulation < 1``, a model on ``meta`` (nothing to run), an
             ``autocast`` other than bfloat16/float16, or a non-bool ``output_held``.
 
     Example::
@@ -99,6 +105,8 @@ def measure(
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    if not isinstance(grad_accumulation, int) or isinstance(grad_accumulation, bool) or grad_accumulation < 1:
+        raise ValueError(f"grad_accumulation must be a positive int, got {grad_accumulation!r}")
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("the model is on meta: measure needs real weights (build it on cpu)")
     check_autocast_dtype(autocast)
@@ -116,7 +124,7 @@ def measure(
 
     held = []  # the loop's `out` variable (output_held): the previous step's output until a forward returns
 
-    def step() -> float:
+    def micro_step() -> float:
         with amp():
             out = model(*args, **kwargs)
             if output_held:
@@ -126,6 +134,11 @@ def measure(
         loss.backward()
         value = float(loss.detach())
         del loss
+        return value
+
+    def step() -> float:
+        for _ in range(grad_accumulation):
+            value = micro_step()
         if opt is not None:
             opt.step()
             opt.zero_grad(set_to_none=True)

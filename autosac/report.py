@@ -27,6 +27,8 @@ def plan_table(plan) -> str:
            f"{', '.join(sorted(set(plan.gathered_dtypes.values())))} (autosac.zero3.install_downcast_gather)"]
           if plan.gathered_dtypes else []),
         *([f"MoE routing      {routing_line(plan.routing)}"] if plan.routing else []),
+        *([f"accumulation     {plan.grad_accumulation} micro-batches per optimizer step (peak and times per "
+           "micro-batch, gradients alive throughout)"] if plan.grad_accumulation > 1 else []),
         f"baseline peak    {format_bytes(plan.baseline_peak_bytes)}",
         f"planned peak     {format_bytes(plan.predicted_peak_bytes)}"
         + (f" under torch.compile(backend={plan.compiled.get('backend')!r}); eager "

@@ -212,6 +212,9 @@ class ModelStats:
     gathered_dtypes: dict[str, str] = field(default_factory=dict)
     # the loop traced (autosac.loop): the model's output alive to the step's end (True) or dropped at the loss
     output_held: bool = True
+    # micro-batches per optimizer step (gradient accumulation); above 1 the trace ran the worst
+    # micro-step: every gradient alive from its start (left by the micro-batches before), then the update
+    grad_accumulation: int = 1
     # mixture-of-experts routing the trace assumed (autosac.trace.routing): {"assumption": {"kind",
     # "capacity_factor"}, "routers": [{"op", "module", "tokens", "top_k", "experts"}, ...]}; {} without routing
     routing: dict = field(default_factory=dict)

@@ -180,17 +180,17 @@ def measure_sweep(result: Sweep, model, example_inputs, *, steps: int = 2, optim
     if not plans:
         return result
     opt = optimizer or plans[0].plan.optimizer
-    held = plans[0].plan.output_held  # the loop the plans were made for
-    base = measure(copy.deepcopy(model), example_inputs, steps=steps, optimizer=opt, output_held=held)
+    # the loop the plans were made for
+    loop = dict(steps=steps, optimizer=opt, output_held=plans[0].plan.output_held,
+                grad_accumulation=min(plans[0].plan.grad_accumulation, 2))
+    base = measure(copy.deepcopy(model), example_inputs, **loop)
     result.measured_baseline_peak_bytes = base.peak_bytes
     for point in plans:
-        got = measure(apply(copy.deepcopy(model), point.plan), example_inputs, steps=steps, optimizer=opt,
-                      output_held=held)
+        got = measure(apply(copy.deepcopy(model), point.plan), example_inputs, **loop)
         point.measured_peak_bytes = got.peak_bytes
         point.measured_overhead = got.step_ms / base.step_ms - 1
     if result.blocks:
-        got = measure(_torch_checkpointed(model, result.blocks), example_inputs, steps=steps, optimizer=opt,
-                      output_held=held)
+        got = measure(_torch_checkpointed(model, result.blocks), example_inputs, **loop)
         result.torch_checkpoint = SweepPoint(got.peak_bytes, status="torch.utils.checkpoint",
                                              modules=len(result.blocks), measured_peak_bytes=got.peak_bytes,
                                              measured_overhead=got.step_ms / base.step_ms - 1)

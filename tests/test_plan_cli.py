@@ -109,6 +109,18 @@ def test_cli_plan_under_autocast_says_so_in_the_plan(tmp_path, capsys):
     assert bf16.baseline_peak_bytes != fp32.baseline_peak_bytes  # traced in other dtypes
 
 
+def test_cli_plan_and_verify_with_gradient_accumulation(tmp_path, capsys):
+    path = str(tmp_path / "p.json")
+    common = ["--model", "llama-tiny", "--batch", "2", "--seq", "32", "--optimizer", "sgd", "--target", "cpu"]
+    assert main(["plan", *common, "--grad-accumulation", "4", "--budget", "90%", "--json", path]) == 0
+    assert "accumulation     4 micro-batches per optimizer step" in capsys.readouterr().out
+    plan = Plan.load(path)
+    assert plan.grad_accumulation == 4
+    assert main(["verify", path, *common, "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "kept" in out and "EXCEEDED" not in out
+
+
 def test_cli_sweep_reuses_one_profile(capsys):
     code = main(["sweep", "--model", "seed-transformer", "--model-arg", "n_layer=2", "--seq", "256",
                  "--budgets", "95%,85%,1KiB,least"])

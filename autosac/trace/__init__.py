@@ -41,6 +41,7 @@ def profile(
     shard_units: list[str] | str | None = None,
     output_held: bool = True,
     routing=None,
+    grad_accumulation: int = 1,
 ) -> ModelStats:
     """Trace one training step (forward, loss, backward, optimizer step) under
     FakeTensorMode and return its memory, runtime and recompute statistics.
@@ -91,6 +92,13 @@ def profile(
             never reads them is traced without any.  See
             :mod:`autosac.trace.routing`; recorded in ``stats.routing`` (empty
             when no pick was laid out).
+        grad_accumulation: micro-batches per optimizer step (the example
+            inputs are one micro-batch).  Above 1, gradients left by the
+            micro-batches before are alive through the whole forward and
+            backward of the next, so the step is traced as that worst
+            micro-batch: every gradient exists from its start, and the
+            optimizer step follows its backward.  Recorded in
+            ``stats.grad_accumulation``.  One process only (``world_size=1``).
 
     Returns:
         ModelStats: plain, JSON-serialisable statistics.
@@ -99,6 +107,7 @@ def profile(
         NothingToCheckpointError: nothing requires grad / the loss is not differentiable.
         TraceError: the forward raised (the message names the module) or inputs don't fit.
         ValueError: an unknown target or optimizer, a malformed ``routing``, ``world_size < 1``, a
+            ``grad_accumulation`` that is not a positive int (or above 1 with ``world_size > 1``), a
             ``param_dtype`` without ``world_size > 1`` or not floating, an
             ``autocast`` other than bfloat16/float16, ``shard_units`` naming
             no module, the root, nested units or units without ``world_size > 1``,
@@ -127,13 +136,15 @@ def profile(
     mixed = _mixed_precision(model, world_size, param_dtype, reduce_dtype)
     check_autocast_dtype(autocast)
     check_output_held(output_held)
+    _check_grad_accumulation(grad_accumulation, world_size)
     assumed = None if routing is None else parse_routing(routing)
     refuse_sharded(model, world_size)
     units = resolve_shard_units(model, shard_units, world_size)
     cost = CostModel(spec)
     try:
         step = trace_step(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, cost_model=cost,
-                          param_dtype=param_dtype, autocast=autocast, output_held=output_held, routing=assumed)
+                          param_dtype=param_dtype, autocast=autocast, output_held=output_held, routing=assumed,
+                          grads_held=grad_accumulation > 1)
     finally:
         cost.finish()
     _say_unknown_ops(step.recording.unknown_ops)
@@ -151,12 +162,21 @@ def profile(
     stats.autocast = str(autocast).removeprefix("torch.") if autocast is not None else ""
     stats.shard_units = units
     stats.output_held = output_held
+    stats.grad_accumulation = grad_accumulation
     routers = step.recording.routers
     stats.routing = {"assumption": (assumed or parse_routing("balanced")).to_dict(),
                      "routers": [asdict(c) for c in routers]} if routers else {}
     # preserve_rng_state keeps the CPU generator state (and a device's) per checkpoint call
     stats.checkpoint_state_bytes = torch.get_rng_state().numel() + (16 if not spec.measured else 0)
     return stats
+
+
+def _check_grad_accumulation(n, world_size: int) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"grad_accumulation must be a positive int (micro-batches per optimizer step), got {n!r}")
+    if n > 1 and world_size > 1:
+        raise ValueError("grad_accumulation above 1 is modelled for one process only (world_size=1): FSDP2 "
+                         "reduces and keeps sharded gradients between micro-batches, which the trace does not model")
 
 
 _SAID_UNKNOWN: set[str] = set()  # ops already named in this process

@@ -91,6 +91,7 @@ def trace_step(
     small_values: bool = True,
     output_held: bool = True,
     routing: Routing | None = None,
+    grads_held: bool = False,
 ) -> TracedStep:
     """Trace forward, loss, backward and optimizer step; return the raw recording.
 
@@ -103,7 +104,9 @@ def trace_step(
     kernels are skipped computes no values to read.  ``output_held``: the
     loop :mod:`autosac.loop` describes keeps the model's output alive to the
     step's end and the previous step's until the forward returns (else the
-    output dies when the loss exists).
+    output dies when the loss exists).  ``grads_held``: every gradient is
+    alive from the step's start, as gradient accumulation leaves them for
+    each micro-batch after the first.
 
     The model and the example inputs are left exactly as they were: parameters
     and buffers are swapped back, and attributes the forward assigned (under
@@ -130,7 +133,7 @@ def trace_step(
             # FSDP2's mixed precision casts floating inputs to param_dtype too
             args, kwargs = tree_map(lambda x: _trace_input(x, param_dtype), (real_args, real_kwargs))
             once = (model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast, runner, small_values,
-                    output_held)
+                    output_held, grads_held)
             step = _trace_routed(once, routing, before)
             if before.grew():
                 step = _trace_routed(once, routing, before)
@@ -234,7 +237,8 @@ def _trace_input(x, dtype: torch.dtype | None = None):
 
 
 def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast=None,
-                compiled=None, small_values=True, output_held=True, routing=BALANCED, route=True) -> TracedStep:
+                compiled=None, small_values=True, output_held=True, grads_held=False, routing=BALANCED,
+                route=True) -> TracedStep:
     """One recorded step on a model whose parameters are already fake (run
     through ``compiled``, its ``torch.compile`` wrapper, when given)."""
     names = {id(m): fqn for fqn, m in model.named_modules()}
@@ -246,6 +250,8 @@ def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autoc
     opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
     _init_optimizer_state(model, opt)
     params = _track_params(model, opt, recorder)
+    if grads_held:
+        _hold_gradients(model, recorder)
     buffer_bytes = _track_new(recorder, {id(b): b for b in model.buffers()}.values(), "buffer")
     input_bytes = _track_new(recorder, tree_leaves((args, kwargs)), "input")
     hooks = []
@@ -299,6 +305,15 @@ def _track_params(model: nn.Module, opt, recorder: StepRecorder) -> dict[str, Pa
                 p.requires_grad, nbytes if p.requires_grad else 0, _state_bytes(opt, p), [],
             )
     return params
+
+
+def _hold_gradients(model: nn.Module, recorder: StepRecorder) -> None:
+    """Gradient accumulation: the gradients the micro-batches before left,
+    alive from the step's start; the backward adds into them in place."""
+    for p in {id(p): p for p in model.parameters()}.values():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+            recorder.track(p.grad, "grad")
 
 
 def _track_new(recorder: StepRecorder, tensors, kind: str) -> int:
