@@ -44,6 +44,48 @@ def _native_stderr_quiet():
         os.close(saved)
 
 
+class AllocationCounter:
+    """The profiler's allocator events between :meth:`start` and :meth:`stop`,
+    for code that cannot be wrapped in one call (a trainer's callbacks start and
+    stop it).  ``stop()`` returns ``(peak, net)`` as :func:`allocation_peak` does.
+
+    Example::
+
+        >>> counter = AllocationCounter(); counter.start()
+        >>> y = torch.randn(1024) * 2.0
+        >>> peak, net = counter.stop()
+    """
+
+    def __init__(self) -> None:
+        self._profiler = None
+
+    def start(self) -> None:
+        self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+        with _native_stderr_quiet():
+            self._profiler.start()
+
+    def stop(self, after: str | None = None) -> tuple[int, int]:
+        """Stop counting; ``(peak, net)`` from the start (or from the first
+        ``record_function(after)`` block, as in :func:`allocation_peak`)."""
+        profiler, self._profiler = self._profiler, None
+        if profiler is None:
+            raise RuntimeError("AllocationCounter.stop() without start()")
+        with _native_stderr_quiet():
+            profiler.stop()
+        events = profiler.profiler.kineto_results.events()
+        memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+        first = min((e.start_ns() for e in events if after is not None and e.name() == after), default=None)
+        if after is not None and first is None:
+            raise RuntimeError(f"allocation_peak: fn never entered record_function({after!r})")
+        level = peak = 0
+        for at, nbytes in memory:
+            if first is not None and at < first:
+                continue
+            level += nbytes
+            peak = max(peak, level)
+        return peak, level
+
+
 def allocation_peak(fn: Callable[[], object], after: str | None = None) -> tuple[int, int]:
     """Run ``fn`` once under the profiler; return ``(peak, net)``: the most
     bytes the CPU allocator had allocated above its level at the start, and
@@ -57,24 +99,13 @@ def allocation_peak(fn: Callable[[], object], after: str | None = None) -> tuple
     under the same profile).
 
     Raises whatever ``fn`` raises."""
-    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-    with _native_stderr_quiet():
-        profiler.start()
+    counter = AllocationCounter()
+    counter.start()
     try:
         out = fn()
-    finally:
-        with _native_stderr_quiet():
-            profiler.stop()
+    except BaseException:
+        counter.stop()
+        raise
+    result = counter.stop(after)
     del out
-    events = profiler.profiler.kineto_results.events()
-    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-    start = min((e.start_ns() for e in events if after is not None and e.name() == after), default=None)
-    if after is not None and start is None:
-        raise RuntimeError(f"allocation_peak: fn never entered record_function({after!r})")
-    level = peak = 0
-    for at, nbytes in memory:
-        if start is not None and at < start:
-            continue
-        level += nbytes
-        peak = max(peak, level)
-    return peak, level
+    return result

@@ -137,3 +137,14 @@ def test_calibration_is_measured_once_and_cached():
     assert first.op_us > first.untimed_op_us  # the whole host time of an op call, and the part timing misses
     # the engine calls backward ops without Python between them; timing one from Python may count more
     assert first.backward_op_us < first.op_us and first.backward_untimed_us >= -0.5 * first.backward_op_us
+
+
+def test_profiling_on_this_cpu_leaves_the_seeded_generator_as_it_was(tmp_path, monkeypatch):
+    # timing ops for real (and calibrating, with an empty cache) must not move
+    # the user's RNG: a seeded run after planning would otherwise draw other dropout masks
+    monkeypatch.setenv("AUTOSAC_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model, idx = build_model("gpt2", device="cpu", n_layer=1, dim=32, n_head=2, seq=16, vocab=64, batch=2)
+    state = torch.get_rng_state()
+    autosac.profile(model, idx, target="cpu")
+    assert torch.equal(state, torch.get_rng_state())

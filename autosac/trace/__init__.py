@@ -140,13 +140,14 @@ def profile(
     assumed = None if routing is None else parse_routing(routing)
     refuse_sharded(model, world_size)
     units = resolve_shard_units(model, shard_units, world_size)
-    cost = CostModel(spec)
-    try:
-        step = trace_step(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, cost_model=cost,
-                          param_dtype=param_dtype, autocast=autocast, output_held=output_held, routing=assumed,
-                          grads_held=grad_accumulation > 1)
-    finally:
-        cost.finish()
+    with _generators_kept():  # timing real ops on this machine must not move the user's seeded RNG
+        cost = CostModel(spec)
+        try:
+            step = trace_step(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, cost_model=cost,
+                              param_dtype=param_dtype, autocast=autocast, output_held=output_held,
+                              routing=assumed, grads_held=grad_accumulation > 1)
+        finally:
+            cost.finish()
     _say_unknown_ops(step.recording.unknown_ops)
     stats = aggregate(
         step,
@@ -169,6 +170,12 @@ def profile(
     # preserve_rng_state keeps the CPU generator state (and a device's) per checkpoint call
     stats.checkpoint_state_bytes = torch.get_rng_state().numel() + (16 if not spec.measured else 0)
     return stats
+
+
+def _generators_kept():
+    """torch's CPU generator, and CUDA's where CUDA is in use, restored on exit."""
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    return torch.random.fork_rng(devices=cuda)
 
 
 def _check_grad_accumulation(n, world_size: int) -> None:
