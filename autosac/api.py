@@ -34,6 +34,7 @@ def solve(
     compile: str | None = None,
     routing=None,
     grad_accumulation: int = 1,
+    zero_grad: str = "after_step",
 ) -> Plan:
     """Pick which modules to checkpoint, and how much of each one's activations
     to discard, so the step's peak fits ``budget`` with the least recompute time.
@@ -41,7 +42,7 @@ def solve(
     Args:
         model_or_stats: an ``nn.Module`` (profiled here with ``example_inputs``,
             ``loss_fn``, ``optimizer``, ``target``, ``world_size``, ``param_dtype``,
-            ``reduce_dtype``, ``autocast``, ``shard_units``, ``output_held``, ``routing``, ``grad_accumulation``: see
+            ``reduce_dtype``, ``autocast``, ``shard_units``, ``output_held``, ``routing``, ``grad_accumulation``, ``zero_grad``: see
             :func:`autosac.profile`) or a
             :class:`ModelStats` from :func:`autosac.profile` (profile once, solve many).
         budget: ``"8GiB"``, ``"500MB"``, ``"60%"`` of the unconstrained peak,
@@ -90,9 +91,9 @@ def solve(
             raise ValueError("solve(..., compile=...) traces the compiled step: pass the model and example_inputs, "
                              "not stats")
         check_setting(resolve_target(target).device_type, world_size, autocast is not None)
-        if grad_accumulation != 1:
-            raise ValueError("solve(..., compile=...) plans one compiled step without gradient accumulation: "
-                             "leave grad_accumulation at 1")
+        if grad_accumulation != 1 or zero_grad != "after_step":
+            raise ValueError("solve(..., compile=...) plans the default loop under torch.compile: leave "
+                             "grad_accumulation at 1 and zero_grad at 'after_step'")
     if isinstance(model_or_stats, ModelStats):
         stats = model_or_stats
     elif not hasattr(model_or_stats, "named_modules"):
@@ -103,7 +104,7 @@ def solve(
         stats = profile(model_or_stats, example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                         target=target, world_size=world_size, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                         autocast=autocast, shard_units=shard_units, output_held=output_held, routing=routing,
-                        grad_accumulation=grad_accumulation)
+                        grad_accumulation=grad_accumulation, zero_grad=zero_grad)
     if compile is None:
         return solve_budget(stats, budget, solver=solver, time_limit_s=time_limit_s, reserve=reserve,
                             max_choices=max_choices, presolve=presolve)

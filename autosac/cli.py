@@ -46,6 +46,9 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-accumulation", type=_positive_int, default=1, metavar="N",
                    help="micro-batches per optimizer step (--batch is one micro-batch): plan for the micro-batch "
                         "that runs with every gradient already alive (default: 1)")
+    p.add_argument("--zero-grad", choices=["after_step", "before_backward"], default="after_step",
+                   help="where the loop sets gradients to None: after the optimizer step (default) or between the "
+                        "loss and backward (Lightning's order: the previous gradients are alive in the forward)")
     p.add_argument("--routing", default=None, metavar="ROUTING",
                    help="mixture-of-experts models: the routing to plan for: balanced, worst, or a capacity factor "
                         "such as 1.25 (the busiest experts get 1.25x the balanced load); default: balanced where "
@@ -115,7 +118,7 @@ def _profile(args):
         stats = autosac.profile(model, inputs, optimizer=args.optimizer, target=args.target,
                                 world_size=args.world_size, shard_units=args.shard_units,
                                 output_held=not args.drop_output, routing=args.routing,
-                                grad_accumulation=args.grad_accumulation, **dtypes)
+                                grad_accumulation=args.grad_accumulation, zero_grad=args.zero_grad, **dtypes)
     if args.downcast_gather:
         stats = autosac.zero3.with_downcast_gather(stats, dtypes["autocast"])
     return stats, model, inputs

@@ -21,6 +21,18 @@ does ``del out``) holds less: its plan is conservative by at most one output.
 ``loss = loss_fn(model(x)); loss.backward()`` or transformers' ``Trainer``
 (whose ``compute_loss`` returns only the loss).  Tensors the loss saves for
 backward stay alive in both cases.
+
+Where the gradients go, chosen by ``zero_grad``: ``"after_step"`` (the
+default, as above: none exists while the forward runs) or
+``"before_backward"``, the loop Lightning runs::
+
+    loss = training_step(batch)   # the previous step's gradients are alive here
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+With gradient accumulation (``grad_accumulation > 1``) the micro-batches after
+the first run with every gradient alive throughout, whichever the order.
 """
 
 from __future__ import annotations
@@ -59,6 +71,17 @@ def output_tensors(output) -> list[torch.Tensor]:
         else:
             todo.extend(t for t in tree_leaves(x) if t is not x)
     return found
+
+
+ZERO_GRAD = ("after_step", "before_backward")
+
+
+def check_zero_grad(zero_grad) -> str:
+    """``zero_grad`` as given, or a one-line ``ValueError``."""
+    if zero_grad not in ZERO_GRAD:
+        raise ValueError(f"zero_grad must be 'after_step' (opt.step(); opt.zero_grad()) or 'before_backward' "
+                         f"(zero_grad() between the loss and loss.backward(), as Lightning does), got {zero_grad!r}")
+    return zero_grad
 
 
 def check_output_held(output_held) -> bool:

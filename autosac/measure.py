@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_leaves
 
 from autosac.allocations import allocation_peak
 from autosac.inputs import split_inputs
-from autosac.loop import check_output_held, output_tensors
+from autosac.loop import check_output_held, check_zero_grad, output_tensors
 from autosac.optim import OptimizerSpec, default_loss, make_optimizer
 from autosac.trace.autocast import check_autocast_dtype
 
@@ -67,6 +67,7 @@ def measure(
     autocast: torch.dtype | None = None,
     output_held: bool = True,
     grad_accumulation: int = 1,
+    zero_grad: str = "after_step",
 ) -> Measurement:
     """Run ``steps`` real training steps (after one warm-up that creates the
     optimizer state) and one more under the profiler for the memory peak.
@@ -90,6 +91,10 @@ def measure(
             the optimizer step; ``peak_bytes`` is the most over the whole
             step and ``step_ms`` its time.  Use the plan's setting
             (``plan.grad_accumulation``; 2 already reaches its peak).
+        zero_grad: ``"after_step"`` (gradients set to ``None`` after the
+            optimizer step) or ``"before_backward"`` (between the first
+            micro-batch's loss and its backward, as Lightning does); the
+            plan's setting (``plan.zero_grad``).
 
     Returns:
         Measurement with ``.peak_bytes`` and ``.step_ms``.
@@ -111,6 +116,7 @@ def measure(
         raise ValueError("the model is on meta: measure needs real weights (build it on cpu)")
     check_autocast_dtype(autocast)
     check_output_held(output_held)
+    check_zero_grad(zero_grad)
     loss_fn = loss_fn or default_loss
     args, kwargs = split_inputs(example_inputs)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -124,28 +130,35 @@ def measure(
 
     held = []  # the loop's `out` variable (output_held): the previous step's output until a forward returns
 
-    def micro_step() -> float:
+    def zero_grads() -> None:
+        if opt is not None:
+            opt.zero_grad(set_to_none=True)
+        else:
+            model.zero_grad(set_to_none=True)
+        for t in grad_inputs:
+            t.grad = None
+
+    def micro_step(first: bool) -> float:
         with amp():
             out = model(*args, **kwargs)
             if output_held:
                 held[:] = [out]  # the previous step's output dies here
             loss = loss_fn(out)
             del out
+        if first and zero_grad == "before_backward":
+            zero_grads()
         loss.backward()
         value = float(loss.detach())
         del loss
         return value
 
     def step() -> float:
-        for _ in range(grad_accumulation):
-            value = micro_step()
+        for i in range(grad_accumulation):
+            value = micro_step(first=i == 0)
         if opt is not None:
             opt.step()
-            opt.zero_grad(set_to_none=True)
-        else:
-            model.zero_grad(set_to_none=True)
-        for t in grad_inputs:
-            t.grad = None
+        if zero_grad == "after_step":
+            zero_grads()
         return value
 
     step()  # creates optimizer state: later steps are steady-state
@@ -172,14 +185,17 @@ def measure(
     alive = list(model.parameters()) + list(model.buffers()) + list(tree_leaves((args, kwargs)))
     if opt is not None:
         alive += [t for st in opt.state.values() for t in st.values()]
-    if not output_held:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]  # zero_grad="before_backward"
+    if not output_held and not grads:
         peak, _ = allocation_peak(step)
         return Measurement(_storage_bytes(alive) + peak, statistics.median(times), times, loss)
-    # The measured step frees the previous step's output, which the profiler reports only
-    # if it was made under the profile: one step runs first (without a previous output,
-    # so it frees nothing made before), then the measured step, counted from its start.
-    base = _storage_bytes(alive + output_tensors(held))
+    # The measured step frees the previous step's output (and gradients), which the profiler
+    # reports only if they were made under the profile: one step runs first, then the measured
+    # step, counted from its start; what the first leaves alive is counted as the step before
+    # the profile left it (same sizes).
+    base = _storage_bytes(alive + output_tensors(held) + grads)
     held.clear()
+    del grads
 
     def two_steps():
         step()

@@ -29,6 +29,8 @@ def plan_table(plan) -> str:
         *([f"MoE routing      {routing_line(plan.routing)}"] if plan.routing else []),
         *([f"accumulation     {plan.grad_accumulation} micro-batches per optimizer step (peak and times per "
            "micro-batch, gradients alive throughout)"] if plan.grad_accumulation > 1 else []),
+        *(["loop             zero_grad() before backward: the previous step's gradients alive through the "
+            "forward"] if plan.zero_grad == "before_backward" and plan.grad_accumulation == 1 else []),
         f"baseline peak    {format_bytes(plan.baseline_peak_bytes)}",
         f"planned peak     {format_bytes(plan.predicted_peak_bytes)}"
         + (f" under torch.compile(backend={plan.compiled.get('backend')!r}); eager "

@@ -76,3 +76,28 @@ def test_accumulation_over_several_ranks_is_refused(gpt):
     model, idx = gpt
     with pytest.raises(ValueError, match="one process only"):
         autosac.profile(model, idx, target=A100_CPU_KERNELS, world_size=2, grad_accumulation=2)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("held", [True, False])
+def test_zero_grad_before_backward_peak_is_the_measured_one(gpt, held, accumulation):
+    # Lightning's order: the previous step's gradients are alive through the forward
+    model, idx = gpt
+    loop = dict(output_held=held, grad_accumulation=accumulation, zero_grad="before_backward")
+    stats = autosac.profile(model, idx, target=A100_CPU_KERNELS, **loop)
+    assert stats.zero_grad == "before_backward"
+    assert stats.peak_bytes == measure(copy.deepcopy(model), idx, steps=1, **loop).peak_bytes
+    if accumulation == 1:  # the old gradients add to the forward's peak
+        assert stats.peak_bytes > autosac.profile(model, idx, target=A100_CPU_KERNELS, output_held=held).peak_bytes
+    plan = autosac.solve(stats, "95%")
+    assert plan.zero_grad == "before_backward"
+    got = measure(autosac.apply(copy.deepcopy(model), plan), idx, steps=1, **loop).peak_bytes
+    assert got <= plan.budget_bytes and abs(got - plan.predicted_peak_bytes) <= 0.03 * got
+
+
+def test_an_unknown_zero_grad_is_one_clear_error(gpt):
+    model, idx = gpt
+    for call in (lambda: autosac.profile(model, idx, target=A100_CPU_KERNELS, zero_grad="never"),
+                 lambda: measure(model, idx, zero_grad="never")):
+        with pytest.raises(ValueError, match="zero_grad must be 'after_step'"):
+            call()

@@ -146,3 +146,104 @@ def test_hf_trainer_infeasible_budget_stops_before_the_first_step(tmp_path):
         trainer.train()
     assert applied_plan(model) is None
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+# ---- Lightning ---------------------------------------------------------------------------------------
+
+
+def lightning_module(model):
+    L = pytest.importorskip("lightning")
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch, batch_idx):
+            out = self.model(input_ids=batch["input_ids"], labels=batch["labels"])
+            self.log("train_loss", out.loss)
+            return {"loss": out.loss}
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    return Module()
+
+
+def run_lightning(module, callbacks=(), steps: int = 4, **trainer_args):
+    """Fit for ``steps``; return the losses, the trained parameters and the
+    measured peak from the first batch on (after the callbacks given)."""
+    import lightning as L
+
+    class Measure(L.Callback):
+        def __init__(self):
+            self.counter, self.losses = AllocationCounter(), []
+
+        def on_train_start(self, trainer, pl_module):
+            self.alive = _storage_bytes(list(pl_module.parameters()) + list(pl_module.buffers()))
+            self.counter.start()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.losses.append(outputs["loss"].detach().clone())
+
+        def on_train_end(self, trainer, pl_module):
+            self.peak = self.alive + self.counter.stop()[0]
+
+    measure = Measure()
+    loader = torch.utils.data.DataLoader(TokenDataset(), batch_size=8, shuffle=True)
+    trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[*callbacks, measure],
+                        **trainer_args)
+    L.seed_everything(0, verbose=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, loader)
+    params = {n: p.detach().clone() for n, p in module.named_parameters()}
+    return measure.losses, params, measure.peak
+
+
+@pytest.mark.parametrize("args", [{}, {"precision": "bf16-mixed"}, {"accumulate_grad_batches": 2}],
+                         ids=["fp32", "bf16", "accum2"])
+def test_lightning_with_a_plan_trains_bitwise_the_same_within_budget(args):
+    from autosac.trainers.lightning import AutosacCallback
+
+    base = tiny_llama()
+    ref = run_lightning(lightning_module(copy.deepcopy(base)), **args)
+    callback = AutosacCallback("60%")
+    module = lightning_module(copy.deepcopy(base))
+    got = run_lightning(module, callbacks=[callback], **args)
+    plan = callback.plan
+    assert plan.decisions and all(fqn.startswith("module.model.") for fqn in plan.decisions)
+    assert plan.output_held is False and plan.target == "cpu"
+    assert plan.autocast == ("bfloat16" if "precision" in args else "")
+    assert plan.grad_accumulation == args.get("accumulate_grad_batches", 1)
+    assert_same_training(ref, got)
+    assert got[2] <= plan.budget_bytes, (got[2], plan.budget_bytes, ref[2])
+    assert got[2] < ref[2]
+    assert "training_step" not in module.__dict__  # the module's own method is back after the fit
+
+
+def test_lightning_manual_optimization_is_refused_in_one_line():
+    from autosac.trainers.lightning import AutosacCallback
+
+    module = lightning_module(tiny_llama())
+    module.automatic_optimization = False
+    with pytest.raises(ValueError, match="manual"):
+        run_lightning(module, callbacks=[AutosacCallback("60%")], steps=1)
+
+
+@pytest.mark.parametrize("module, hides, extra", [
+    ("autosac.trainers.hf", ["transformers"], "hf"),
+    ("autosac.trainers.lightning", ["lightning", "lightning.pytorch", "lightning.pytorch.callbacks"], "lightning"),
+])
+def test_a_missing_trainer_is_one_line_naming_the_extra(monkeypatch, module, hides, extra):
+    import importlib
+    import sys
+
+    from autosac.errors import MissingExtraError
+
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    for name in hides:
+        monkeypatch.setitem(sys.modules, name, None)  # import fails as if not installed
+    with pytest.raises(MissingExtraError, match=rf"pip install 'autosac\[{extra}\]'"):
+        importlib.import_module(module)

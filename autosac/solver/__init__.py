@@ -290,7 +290,7 @@ def _make_plan(stats: ModelStats, problem: Problem, choice: dict[int, int], budg
         device=stats.target.get("device_type", ""), autocast=stats.autocast,
         sharding=describe_units(stats) if stats.world_size > 1 else "",
         gathered_dtypes=dict(stats.gathered_dtypes), output_held=stats.output_held,
-        grad_accumulation=stats.grad_accumulation,
+        grad_accumulation=stats.grad_accumulation, zero_grad=stats.zero_grad,
         mechanism_ms=problem.mechanism_ms(choice), param_casts=any(op.param_cast for op in stats.saved_ops),
         routing=dict(stats.routing),
     )

@@ -12,7 +12,7 @@ from autosac.devices import DeviceSpec, resolve_target
 from autosac.fingerprint import model_fingerprint
 from autosac.inputs import input_signature, split_inputs
 from autosac.integrations import own_checkpointing
-from autosac.loop import check_output_held
+from autosac.loop import check_output_held, check_zero_grad
 from autosac.marks import has_applied_plan
 from autosac.optim import OptimizerSpec, optimizer_name
 from autosac.stats import ModelStats
@@ -42,6 +42,7 @@ def profile(
     output_held: bool = True,
     routing=None,
     grad_accumulation: int = 1,
+    zero_grad: str = "after_step",
 ) -> ModelStats:
     """Trace one training step (forward, loss, backward, optimizer step) under
     FakeTensorMode and return its memory, runtime and recompute statistics.
@@ -99,6 +100,11 @@ def profile(
             micro-batch: every gradient exists from its start, and the
             optimizer step follows its backward.  Recorded in
             ``stats.grad_accumulation``.  One process only (``world_size=1``).
+        zero_grad: where the loop sets gradients to ``None``:
+            ``"after_step"`` (``opt.step(); opt.zero_grad()``, the default) or
+            ``"before_backward"`` (after the loss, before ``loss.backward()``,
+            as Lightning does: the previous step's gradients are alive through
+            the forward).  Recorded in ``stats.zero_grad``.
 
     Returns:
         ModelStats: plain, JSON-serialisable statistics.
@@ -107,7 +113,8 @@ def profile(
         NothingToCheckpointError: nothing requires grad / the loss is not differentiable.
         TraceError: the forward raised (the message names the module) or inputs don't fit.
         ValueError: an unknown target or optimizer, a malformed ``routing``, ``world_size < 1``, a
-            ``grad_accumulation`` that is not a positive int (or above 1 with ``world_size > 1``), a
+            ``grad_accumulation`` that is not a positive int (or above 1 with ``world_size > 1``), an
+            unknown ``zero_grad``, a
             ``param_dtype`` without ``world_size > 1`` or not floating, an
             ``autocast`` other than bfloat16/float16, ``shard_units`` naming
             no module, the root, nested units or units without ``world_size > 1``,
@@ -137,6 +144,7 @@ def profile(
     check_autocast_dtype(autocast)
     check_output_held(output_held)
     _check_grad_accumulation(grad_accumulation, world_size)
+    check_zero_grad(zero_grad)
     assumed = None if routing is None else parse_routing(routing)
     refuse_sharded(model, world_size)
     units = resolve_shard_units(model, shard_units, world_size)
@@ -145,7 +153,7 @@ def profile(
         try:
             step = trace_step(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, cost_model=cost,
                               param_dtype=param_dtype, autocast=autocast, output_held=output_held,
-                              routing=assumed, grads_held=grad_accumulation > 1)
+                              routing=assumed, grads_alive=_grads_alive(grad_accumulation, zero_grad))
         finally:
             cost.finish()
     _say_unknown_ops(step.recording.unknown_ops)
@@ -164,6 +172,7 @@ def profile(
     stats.shard_units = units
     stats.output_held = output_held
     stats.grad_accumulation = grad_accumulation
+    stats.zero_grad = zero_grad
     routers = step.recording.routers
     stats.routing = {"assumption": (assumed or parse_routing("balanced")).to_dict(),
                      "routers": [asdict(c) for c in routers]} if routers else {}
@@ -176,6 +185,13 @@ def _generators_kept():
     """torch's CPU generator, and CUDA's where CUDA is in use, restored on exit."""
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     return torch.random.fork_rng(devices=cuda)
+
+
+def _grads_alive(grad_accumulation: int, zero_grad: str) -> str:
+    """Which gradients the traced step starts with (trace_step's ``grads_alive``)."""
+    if grad_accumulation > 1:
+        return "step"  # the worst micro-batch: the ones before left every gradient
+    return "forward" if zero_grad == "before_backward" else ""
 
 
 def _check_grad_accumulation(n, world_size: int) -> None:

@@ -91,7 +91,7 @@ def trace_step(
     small_values: bool = True,
     output_held: bool = True,
     routing: Routing | None = None,
-    grads_held: bool = False,
+    grads_alive: str = "",
 ) -> TracedStep:
     """Trace forward, loss, backward and optimizer step; return the raw recording.
 
@@ -104,9 +104,11 @@ def trace_step(
     kernels are skipped computes no values to read.  ``output_held``: the
     loop :mod:`autosac.loop` describes keeps the model's output alive to the
     step's end and the previous step's until the forward returns (else the
-    output dies when the loss exists).  ``grads_held``: every gradient is
-    alive from the step's start, as gradient accumulation leaves them for
-    each micro-batch after the first.
+    output dies when the loss exists).  ``grads_alive``: ``"step"``, every
+    gradient is alive from the step's start, as gradient accumulation leaves
+    them for each micro-batch after the first; ``"forward"``, alive from the
+    start until the loss exists and set to ``None`` before the backward (a
+    loop that calls ``zero_grad()`` there, as Lightning does); ``""``, none.
 
     The model and the example inputs are left exactly as they were: parameters
     and buffers are swapped back, and attributes the forward assigned (under
@@ -133,7 +135,7 @@ def trace_step(
             # FSDP2's mixed precision casts floating inputs to param_dtype too
             args, kwargs = tree_map(lambda x: _trace_input(x, param_dtype), (real_args, real_kwargs))
             once = (model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast, runner, small_values,
-                    output_held, grads_held)
+                    output_held, grads_alive)
             step = _trace_routed(once, routing, before)
             if before.grew():
                 step = _trace_routed(once, routing, before)
@@ -237,7 +239,7 @@ def _trace_input(x, dtype: torch.dtype | None = None):
 
 
 def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast=None,
-                compiled=None, small_values=True, output_held=True, grads_held=False, routing=BALANCED,
+                compiled=None, small_values=True, output_held=True, grads_alive="", routing=BALANCED,
                 route=True) -> TracedStep:
     """One recorded step on a model whose parameters are already fake (run
     through ``compiled``, its ``torch.compile`` wrapper, when given)."""
@@ -250,7 +252,7 @@ def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autoc
     opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
     _init_optimizer_state(model, opt)
     params = _track_params(model, opt, recorder)
-    if grads_held:
+    if grads_alive:
         _hold_gradients(model, recorder)
     buffer_bytes = _track_new(recorder, {id(b): b for b in model.buffers()}.values(), "buffer")
     input_bytes = _track_new(recorder, tree_leaves((args, kwargs)), "input")
@@ -269,6 +271,8 @@ def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autoc
             _hold_previous_output(recorder, out, forward_end)
         else:
             del out
+        if grads_alive == "forward":
+            _drop_gradients(model)
         _backward_and_update(model, loss, opt, recorder)
     finally:
         for h in hooks:
@@ -314,6 +318,13 @@ def _hold_gradients(model: nn.Module, recorder: StepRecorder) -> None:
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
             recorder.track(p.grad, "grad")
+
+
+def _drop_gradients(model: nn.Module) -> None:
+    """``zero_grad()`` between the loss and the backward: the gradients go
+    (the recorder marks each freed at the current op)."""
+    for p in model.parameters():
+        p.grad = None
 
 
 def _track_new(recorder: StepRecorder, tensors, kind: str) -> int:

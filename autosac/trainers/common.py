@@ -33,7 +33,7 @@ __all__ = ["PlanRequest", "plan_and_apply", "first_batch", "optimizer_like", "de
 class PlanRequest:
     """What to plan for: ``budget`` and the step the trainer runs.
 
-    ``optimizer``, ``autocast``, ``grad_accumulation`` and ``output_held`` are
+    ``optimizer``, ``autocast``, ``grad_accumulation``, ``output_held`` and ``zero_grad`` are
     as in :func:`autosac.profile` (the integrations fill them from the
     trainer); ``target`` defaults to the device the model is on
     (:func:`default_target`); ``solve_kwargs`` go to :func:`autosac.solve`
@@ -45,6 +45,7 @@ class PlanRequest:
     autocast: torch.dtype | None = None
     grad_accumulation: int = 1
     output_held: bool = False
+    zero_grad: str = "after_step"
     target: object = None
     solve_kwargs: dict = field(default_factory=dict)
 
@@ -63,7 +64,7 @@ def plan_and_apply(model: nn.Module, example_inputs, request: PlanRequest) -> Pl
     target = request.target if request.target is not None else default_target(model)
     plan = solve(model, request.budget, example_inputs, loss_fn=request.loss_fn, optimizer=request.optimizer,
                  target=target, autocast=request.autocast, grad_accumulation=request.grad_accumulation,
-                 output_held=request.output_held, **request.solve_kwargs)
+                 output_held=request.output_held, zero_grad=request.zero_grad, **request.solve_kwargs)
     apply(model, plan)
     log.info("autosac plan applied (%d modules checkpointed):\n%s", len(plan.decisions), plan)
     return plan
