@@ -235,6 +235,7 @@ def test_lightning_manual_optimization_is_refused_in_one_line():
 @pytest.mark.parametrize("module, hides, extra", [
     ("autosac.trainers.hf", ["transformers"], "hf"),
     ("autosac.trainers.lightning", ["lightning", "lightning.pytorch", "lightning.pytorch.callbacks"], "lightning"),
+    ("autosac.trainers.titan", ["torchtitan", "torchtitan.protocols", "torchtitan.protocols.model_converter"], "titan"),
 ])
 def test_a_missing_trainer_is_one_line_naming_the_extra(monkeypatch, module, hides, extra):
     import importlib
@@ -247,3 +248,97 @@ def test_a_missing_trainer_is_one_line_naming_the_extra(monkeypatch, module, hid
         monkeypatch.setitem(sys.modules, name, None)  # import fails as if not installed
     with pytest.raises(MissingExtraError, match=rf"pip install 'autosac\[{extra}\]'"):
         importlib.import_module(module)
+
+
+# ---- torchtitan ------------------------------------------------------------------------------------------
+
+
+def titan_debug(device: str = "cpu", layers: int | None = None):
+    pytest.importorskip("torchtitan")
+    from torchtitan.models.llama3 import Transformer, llama3_args
+
+    args = copy.deepcopy(llama3_args["debugmodel"])
+    if layers is not None:
+        args.n_layers = layers
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Transformer(args)
+    if device != "meta":
+        with torch.no_grad():
+            model.init_weights()
+    return model
+
+
+def titan_job(*extra: str):
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(["--job.custom_config_module", "autosac.trainers.titan", "--model.converters",
+                                       "autosac", "--training.local_batch_size", "4", "--training.seq_len", "256",
+                                       *extra])
+
+
+def titan_dims(dp_shard: int = 1):
+    from torchtitan.distributed import ParallelDims
+
+    return ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=dp_shard)
+
+
+def test_titan_takes_a_plan_through_its_config_and_a_model_converter():
+    from torchtitan.protocols.model_converter import build_model_converters
+
+    from autosac.applier import applied_plan
+
+    job = titan_job("--activation_checkpoint.mode", "none", "--autosac.budget", "least", "--autosac.target", "a100")
+    assert job.autosac.budget == "least"
+    model = titan_debug("meta")
+    converters = build_model_converters(job, titan_dims())  # what torchtitan's Trainer does after building the model
+    converters.convert(model)
+    plan = applied_plan(model)
+    assert plan is not None and plan.decisions and plan.output_held is False
+    assert plan.predicted_peak_bytes <= plan.budget_bytes < plan.baseline_peak_bytes
+    with pytest.raises(ValueError, match="set --activation_checkpoint.mode none"):
+        build_model_converters(titan_job("--activation_checkpoint.mode", "full"), titan_dims())
+
+
+def test_titan_8b_planned_on_meta_for_fsdp2_over_8_ranks():
+    from torchtitan.models.llama3 import Transformer, llama3_args
+
+    from autosac.trainers.titan import plan_for_job
+
+    with torch.device("meta"):
+        model = Transformer(llama3_args["8B"])
+    job = titan_job("--activation_checkpoint.mode", "none", "--autosac.budget", "least",
+                    "--training.local_batch_size", "1", "--training.seq_len", "8192")
+    plan = plan_for_job(model, job, world_size=8)
+    assert plan.world_size == 8 and "32 units" in plan.sharding
+    assert plan.predicted_peak_bytes < 0.5 * plan.baseline_peak_bytes  # bf16-gathered 8B at 8k tokens per rank
+    assert sum(1 for fqn in plan.decisions if fqn.startswith("layers.")) >= 31
+
+
+@pytest.mark.parametrize("mode, option", [("full", ""), ("selective", "op"), ("selective", "2")],
+                         ids=["full", "selective-op", "selective-every-2nd-layer"])
+def test_titan_debug_model_plan_fits_the_memory_of_titans_own_checkpointing(mode, option):
+    from suite import assert_same_step
+    from torchtitan.config.job_config import ActivationCheckpoint
+    from torchtitan.distributed.activation_checkpoint import apply_ac
+
+    import autosac
+    from autosac.measure import measure
+    from autosac.trainers.titan import titan_loss
+
+    model = titan_debug(layers=4)
+    tokens = torch.randint(0, 2048, (4, 256))
+    loop = dict(loss_fn=titan_loss, output_held=False, steps=1)
+    theirs = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        apply_ac(theirs, ActivationCheckpoint(mode=mode, selective_ac_option=option or "2"))
+    their_peak = measure(theirs, tokens, **loop).peak_bytes
+    stats = autosac.profile(model, tokens, loss_fn=titan_loss, output_held=False, target="a100")
+    try:
+        plan = autosac.solve(stats, their_peak)
+    except autosac.InfeasibleBudgetError as e:  # theirs at autosac's least peak: predicted a few bytes over
+        assert e.min_feasible_bytes - their_peak <= 256
+        plan = autosac.solve(stats, "least")
+    assert measure(autosac.apply(copy.deepcopy(model), plan), tokens, **loop).peak_bytes <= their_peak
+    assert_same_step(copy.deepcopy(model), autosac.apply(copy.deepcopy(model), plan), tokens, loss_fn=titan_loss)
