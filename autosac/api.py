@@ -35,6 +35,7 @@ def solve(
     routing=None,
     grad_accumulation: int = 1,
     zero_grad: str = "after_step",
+    batches_ahead: int = 0,
 ) -> Plan:
     """Pick which modules to checkpoint, and how much of each one's activations
     to discard, so the step's peak fits ``budget`` with the least recompute time.
@@ -42,7 +43,7 @@ def solve(
     Args:
         model_or_stats: an ``nn.Module`` (profiled here with ``example_inputs``,
             ``loss_fn``, ``optimizer``, ``target``, ``world_size``, ``param_dtype``,
-            ``reduce_dtype``, ``autocast``, ``shard_units``, ``output_held``, ``routing``, ``grad_accumulation``, ``zero_grad``: see
+            ``reduce_dtype``, ``autocast``, ``shard_units``, ``output_held``, ``routing``, ``grad_accumulation``, ``zero_grad``, ``batches_ahead``: see
             :func:`autosac.profile`) or a
             :class:`ModelStats` from :func:`autosac.profile` (profile once, solve many).
         budget: ``"8GiB"``, ``"500MB"``, ``"60%"`` of the unconstrained peak,
@@ -104,7 +105,8 @@ def solve(
         stats = profile(model_or_stats, example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                         target=target, world_size=world_size, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                         autocast=autocast, shard_units=shard_units, output_held=output_held, routing=routing,
-                        grad_accumulation=grad_accumulation, zero_grad=zero_grad)
+                        grad_accumulation=grad_accumulation, zero_grad=zero_grad,
+                        batches_ahead=batches_ahead)
     if compile is None:
         return solve_budget(stats, budget, solver=solver, time_limit_s=time_limit_s, reserve=reserve,
                             max_choices=max_choices, presolve=presolve)

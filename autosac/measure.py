@@ -68,6 +68,7 @@ def measure(
     output_held: bool = True,
     grad_accumulation: int = 1,
     zero_grad: str = "after_step",
+    batches_ahead: int = 0,
 ) -> Measurement:
     """Run ``steps`` real training steps (after one warm-up that creates the
     optimizer state) and one more under the profiler for the memory peak.
@@ -95,6 +96,9 @@ def measure(
             optimizer step) or ``"before_backward"`` (between the first
             micro-batch's loss and its backward, as Lightning does); the
             plan's setting (``plan.zero_grad``).
+        batches_ahead: copies of ``example_inputs`` kept alive through the
+            steps, as a data loader that fetches ahead holds them
+            (``plan.batches_ahead``).
 
     Returns:
         Measurement with ``.peak_bytes`` and ``.step_ms``.
@@ -117,6 +121,8 @@ def measure(
     check_autocast_dtype(autocast)
     check_output_held(output_held)
     check_zero_grad(zero_grad)
+    if not isinstance(batches_ahead, int) or isinstance(batches_ahead, bool) or batches_ahead < 0:
+        raise ValueError(f"batches_ahead must be an int >= 0, got {batches_ahead!r}")
     loss_fn = loss_fn or default_loss
     args, kwargs = split_inputs(example_inputs)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -175,6 +181,8 @@ def measure(
             t0 = time.perf_counter()
             loss = step()
             times.append((time.perf_counter() - t0) * 1e3)
+    # batches a data loader fetched ahead: alive from before the measured step to after it
+    ahead = [t.clone() for _ in range(batches_ahead) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     gc.collect()  # garbage left by earlier work is not freed in the middle of the measured step
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -185,6 +193,7 @@ def measure(
     alive = list(model.parameters()) + list(model.buffers()) + list(tree_leaves((args, kwargs)))
     if opt is not None:
         alive += [t for st in opt.state.values() for t in st.values()]
+    alive += ahead
     grads = [p.grad for p in model.parameters() if p.grad is not None]  # zero_grad="before_backward"
     if not output_held and not grads:
         peak, _ = allocation_peak(step)

@@ -106,6 +106,7 @@ class Plan:
     compiled: dict = field(default_factory=dict)
     # the loop it is made for (autosac.loop): True = `out = model(x)` held through backward, False = dropped
     output_held: bool = True
+    batches_ahead: int = 0  # batches the loop's data loader holds besides the step's (ModelStats.batches_ahead)
     zero_grad: str = "after_step"  # where the loop it is made for sets gradients to None (autosac.loop)
     grad_accumulation: int = 1  # micro-batches per optimizer step it is made for (ModelStats.grad_accumulation)
     mechanism_ms: float = 0.0  # of recompute_ms: what the checkpointing machinery costs the host (autosac.host)

@@ -215,6 +215,7 @@ class ModelStats:
     # micro-batches per optimizer step (gradient accumulation); above 1 the trace ran the worst
     # micro-step: every gradient alive from its start (left by the micro-batches before), then the update
     grad_accumulation: int = 1
+    batches_ahead: int = 0  # inputs' worth of batches a data loader holds besides the step's (autosac.loop)
     zero_grad: str = "after_step"  # where the loop sets gradients to None (autosac.loop): or "before_backward"
     # mixture-of-experts routing the trace assumed (autosac.trace.routing): {"assumption": {"kind",
     # "capacity_factor"}, "routers": [{"op", "module", "tokens", "top_k", "experts"}, ...]}; {} without routing

@@ -182,7 +182,8 @@ def measure_sweep(result: Sweep, model, example_inputs, *, steps: int = 2, optim
     opt = optimizer or plans[0].plan.optimizer
     # the loop the plans were made for
     loop = dict(steps=steps, optimizer=opt, output_held=plans[0].plan.output_held,
-                grad_accumulation=min(plans[0].plan.grad_accumulation, 2), zero_grad=plans[0].plan.zero_grad)
+                grad_accumulation=min(plans[0].plan.grad_accumulation, 2), zero_grad=plans[0].plan.zero_grad,
+                batches_ahead=plans[0].plan.batches_ahead)
     base = measure(copy.deepcopy(model), example_inputs, **loop)
     result.measured_baseline_peak_bytes = base.peak_bytes
     for point in plans:

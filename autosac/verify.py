@@ -42,7 +42,8 @@ def verify_plan_file(args) -> int:
     amp = getattr(torch, plan.autocast) if plan.autocast else None
     # two micro-batches reach an accumulating step's peak: from the second on, every gradient is alive
     loop = dict(steps=args.steps, optimizer=plan.optimizer, autocast=amp, output_held=plan.output_held,
-                grad_accumulation=min(plan.grad_accumulation, 2), zero_grad=plan.zero_grad)
+                grad_accumulation=min(plan.grad_accumulation, 2), zero_grad=plan.zero_grad,
+                batches_ahead=plan.batches_ahead)
     routed = copy.deepcopy(model) if plan.routing else None  # the weights the routing is measured with
     baseline = autosac.measure(copy.deepcopy(model), inputs, **loop)
     autosac.apply(model, plan)

@@ -101,3 +101,17 @@ def test_an_unknown_zero_grad_is_one_clear_error(gpt):
                  lambda: measure(model, idx, zero_grad="never")):
         with pytest.raises(ValueError, match="zero_grad must be 'after_step'"):
             call()
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_batches_fetched_ahead_are_counted_as_measured(gpt, held):
+    model, idx = gpt
+    one = autosac.profile(model, idx, target=A100_CPU_KERNELS, output_held=held)
+    two = autosac.profile(model, idx, target=A100_CPU_KERNELS, output_held=held, batches_ahead=2)
+    assert two.batches_ahead == 2 and two.peak_bytes == one.peak_bytes + 2 * idx.numel() * idx.element_size()
+    measured = [measure(copy.deepcopy(model), idx, steps=1, output_held=held, batches_ahead=n).peak_bytes
+                for n in (0, 2)]
+    assert measured[1] - measured[0] == two.peak_bytes - one.peak_bytes
+    assert abs(measured[1] - two.peak_bytes) <= 16
+    with pytest.raises(ValueError, match="batches_ahead must be an int >= 0"):
+        autosac.profile(model, idx, target=A100_CPU_KERNELS, batches_ahead=-1)

@@ -291,6 +291,7 @@ def _make_plan(stats: ModelStats, problem: Problem, choice: dict[int, int], budg
         sharding=describe_units(stats) if stats.world_size > 1 else "",
         gathered_dtypes=dict(stats.gathered_dtypes), output_held=stats.output_held,
         grad_accumulation=stats.grad_accumulation, zero_grad=stats.zero_grad,
+        batches_ahead=stats.batches_ahead,
         mechanism_ms=problem.mechanism_ms(choice), param_casts=any(op.param_cast for op in stats.saved_ops),
         routing=dict(stats.routing),
     )

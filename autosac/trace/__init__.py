@@ -43,6 +43,7 @@ def profile(
     routing=None,
     grad_accumulation: int = 1,
     zero_grad: str = "after_step",
+    batches_ahead: int = 0,
 ) -> ModelStats:
     """Trace one training step (forward, loss, backward, optimizer step) under
     FakeTensorMode and return its memory, runtime and recompute statistics.
@@ -105,6 +106,10 @@ def profile(
             ``"before_backward"`` (after the loss, before ``loss.backward()``,
             as Lightning does: the previous step's gradients are alive through
             the forward).  Recorded in ``stats.zero_grad``.
+        batches_ahead: batches the data loader holds besides the one the step
+            runs, each the size of ``example_inputs`` (accelerate's loader in
+            transformers' ``Trainer`` fetches the next batch before the step).
+            Recorded in ``stats.batches_ahead``.
 
     Returns:
         ModelStats: plain, JSON-serialisable statistics.
@@ -145,6 +150,8 @@ def profile(
     check_output_held(output_held)
     _check_grad_accumulation(grad_accumulation, world_size)
     check_zero_grad(zero_grad)
+    if not isinstance(batches_ahead, int) or isinstance(batches_ahead, bool) or batches_ahead < 0:
+        raise ValueError(f"batches_ahead must be an int >= 0, got {batches_ahead!r}")
     assumed = None if routing is None else parse_routing(routing)
     refuse_sharded(model, world_size)
     units = resolve_shard_units(model, shard_units, world_size)
@@ -153,7 +160,8 @@ def profile(
         try:
             step = trace_step(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, cost_model=cost,
                               param_dtype=param_dtype, autocast=autocast, output_held=output_held,
-                              routing=assumed, grads_alive=_grads_alive(grad_accumulation, zero_grad))
+                              routing=assumed, grads_alive=_grads_alive(grad_accumulation, zero_grad),
+                              batches_ahead=batches_ahead)
         finally:
             cost.finish()
     _say_unknown_ops(step.recording.unknown_ops)
@@ -173,6 +181,7 @@ def profile(
     stats.output_held = output_held
     stats.grad_accumulation = grad_accumulation
     stats.zero_grad = zero_grad
+    stats.batches_ahead = batches_ahead
     routers = step.recording.routers
     stats.routing = {"assumption": (assumed or parse_routing("balanced")).to_dict(),
                      "routers": [asdict(c) for c in routers]} if routers else {}

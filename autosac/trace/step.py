@@ -92,6 +92,7 @@ def trace_step(
     output_held: bool = True,
     routing: Routing | None = None,
     grads_alive: str = "",
+    batches_ahead: int = 0,
 ) -> TracedStep:
     """Trace forward, loss, backward and optimizer step; return the raw recording.
 
@@ -109,6 +110,8 @@ def trace_step(
     them for each micro-batch after the first; ``"forward"``, alive from the
     start until the loss exists and set to ``None`` before the backward (a
     loop that calls ``zero_grad()`` there, as Lightning does); ``""``, none.
+    ``batches_ahead``: copies of the inputs alive through the step (batches a
+    data loader has already fetched).
 
     The model and the example inputs are left exactly as they were: parameters
     and buffers are swapped back, and attributes the forward assigned (under
@@ -135,7 +138,7 @@ def trace_step(
             # FSDP2's mixed precision casts floating inputs to param_dtype too
             args, kwargs = tree_map(lambda x: _trace_input(x, param_dtype), (real_args, real_kwargs))
             once = (model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast, runner, small_values,
-                    output_held, grads_alive)
+                    output_held, grads_alive, batches_ahead)
             step = _trace_routed(once, routing, before)
             if before.grew():
                 step = _trace_routed(once, routing, before)
@@ -239,7 +242,7 @@ def _trace_input(x, dtype: torch.dtype | None = None):
 
 
 def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast=None,
-                compiled=None, small_values=True, output_held=True, grads_alive="", routing=BALANCED,
+                compiled=None, small_values=True, output_held=True, grads_alive="", batches_ahead=0, routing=BALANCED,
                 route=True) -> TracedStep:
     """One recorded step on a model whose parameters are already fake (run
     through ``compiled``, its ``torch.compile`` wrapper, when given)."""
@@ -256,6 +259,7 @@ def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autoc
         _hold_gradients(model, recorder)
     buffer_bytes = _track_new(recorder, {id(b): b for b in model.buffers()}.values(), "buffer")
     input_bytes = _track_new(recorder, tree_leaves((args, kwargs)), "input")
+    input_bytes += _hold_batches_ahead(recorder, input_bytes, batches_ahead)
     hooks = []
     runner = model if compiled is None else compiled
     if compiled is None:  # compiled code runs no module hooks
@@ -318,6 +322,16 @@ def _hold_gradients(model: nn.Module, recorder: StepRecorder) -> None:
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
             recorder.track(p.grad, "grad")
+
+
+def _hold_batches_ahead(recorder: StepRecorder, input_bytes: int, n: int) -> int:
+    """Batches a data loader fetched ahead (accelerate's holds the next one
+    while the step runs): ``n`` more inputs' worth of bytes, alive throughout,
+    as one record each; returns the bytes added."""
+    for _ in range(n):
+        if input_bytes:
+            recorder.rec.storages.append(StorageRecord(input_bytes, "input", -1))
+    return n * input_bytes
 
 
 def _drop_gradients(model: nn.Module) -> None:

@@ -33,7 +33,7 @@ __all__ = ["PlanRequest", "plan_and_apply", "first_batch", "optimizer_like", "de
 class PlanRequest:
     """What to plan for: ``budget`` and the step the trainer runs.
 
-    ``optimizer``, ``autocast``, ``grad_accumulation``, ``output_held`` and ``zero_grad`` are
+    ``optimizer``, ``autocast``, ``grad_accumulation``, ``output_held``, ``zero_grad`` and ``batches_ahead`` are
     as in :func:`autosac.profile` (the integrations fill them from the
     trainer); ``target`` defaults to the device the model is on
     (:func:`default_target`); ``solve_kwargs`` go to :func:`autosac.solve`
@@ -46,6 +46,7 @@ class PlanRequest:
     grad_accumulation: int = 1
     output_held: bool = False
     zero_grad: str = "after_step"
+    batches_ahead: int = 0
     target: object = None
     solve_kwargs: dict = field(default_factory=dict)
 
@@ -64,7 +65,8 @@ def plan_and_apply(model: nn.Module, example_inputs, request: PlanRequest) -> Pl
     target = request.target if request.target is not None else default_target(model)
     plan = solve(model, request.budget, example_inputs, loss_fn=request.loss_fn, optimizer=request.optimizer,
                  target=target, autocast=request.autocast, grad_accumulation=request.grad_accumulation,
-                 output_held=request.output_held, zero_grad=request.zero_grad, **request.solve_kwargs)
+                 output_held=request.output_held, zero_grad=request.zero_grad, batches_ahead=request.batches_ahead,
+                 **request.solve_kwargs)
     apply(model, plan)
     log.info("autosac plan applied (%d modules checkpointed):\n%s", len(plan.decisions), plan)
     return plan

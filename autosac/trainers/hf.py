@@ -19,7 +19,9 @@ runs, and applies the plan to the model in place:
   ``sgd``, ...), autocast is ``bf16=True``/``fp16=True``, and
   ``gradient_accumulation_steps`` is the accumulation planned for;
 - the loop drops the model's output once the loss exists (``Trainer`` does),
-  so the plan is made with ``output_held=False``;
+  so the plan is made with ``output_held=False``; the Trainer fetches every
+  micro-batch of an optimizer step before the first runs, and accelerate's
+  dataloader the next one too (``batches_ahead=gradient_accumulation_steps``);
 - ``gradient_checkpointing=True`` is turned off, with a warning: the plan
   decides what to checkpoint, and transformers' checkpoints would nest
   inside autosac's.
@@ -112,5 +114,5 @@ class AutosacCallback(TrainerCallback):
             budget=self.budget, loss_fn=self.loss_fn or trainer_loss,
             optimizer=self.optimizer if self.optimizer is not None else optimizer_like(optimizer),
             autocast=autocast, grad_accumulation=args.gradient_accumulation_steps, output_held=False,
-            target=self.target, solve_kwargs=self.solve_kwargs)
+            batches_ahead=args.gradient_accumulation_steps, target=self.target, solve_kwargs=self.solve_kwargs)
         self.plan = plan_and_apply(model, batch, request)
