@@ -25,7 +25,7 @@ Lightning runs and applies the plan:
 To put the plan's whole-step hooks around each step (parameter casts under
 autocast are never saved; a batch of another shape is warned about), the
 module's ``training_step`` runs through a thin wrapper module while the fit
-lasts; ``on_fit_end`` puts the module's own method back (the checkpointed
+lasts; ``on_fit_end`` (or ``on_exception``) puts the module's own method back (the checkpointed
 submodules stay checkpointed: ``autosac.unapply(callback.root)`` undoes them).
 Manual optimization (``automatic_optimization = False``) is refused.
 
@@ -156,5 +156,12 @@ class AutosacCallback(Callback):
         pl_module.__dict__["training_step"] = self._step = training_step  # not a submodule: a plain function
 
     def on_fit_end(self, trainer, pl_module) -> None:
+        self._restore(pl_module)
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._restore(pl_module)
+
+    def _restore(self, pl_module) -> None:
+        """The module's own ``training_step`` back (the plan stays on its submodules)."""
         if self.root is not None and pl_module.__dict__.get("training_step") is self._step:
             del pl_module.__dict__["training_step"]
