@@ -92,9 +92,9 @@ def solve(
             raise ValueError("solve(..., compile=...) traces the compiled step: pass the model and example_inputs, "
                              "not stats")
         check_setting(resolve_target(target).device_type, world_size, autocast is not None)
-        if grad_accumulation != 1 or zero_grad != "after_step":
+        if grad_accumulation != 1 or zero_grad != "after_step" or batches_ahead:
             raise ValueError("solve(..., compile=...) plans the default loop under torch.compile: leave "
-                             "grad_accumulation at 1 and zero_grad at 'after_step'")
+                             "grad_accumulation at 1, zero_grad at 'after_step' and batches_ahead at 0")
     if isinstance(model_or_stats, ModelStats):
         stats = model_or_stats
     elif not hasattr(model_or_stats, "named_modules"):

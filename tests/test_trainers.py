@@ -120,6 +120,22 @@ def test_hf_trainer_with_a_plan_trains_bitwise_the_same_within_budget(tmp_path, 
     assert got[2] < ref[2]
 
 
+def test_hf_trainer_steps_run_the_shapes_the_plan_was_made_for(tmp_path):
+    # the Trainer passes num_items_in_batch to a forward taking **kwargs: the plan must have traced it too
+    from autosac.trainers.hf import AutosacCallback
+
+    callback = AutosacCallback("60%")
+    trainer = transformers.Trainer(
+        model=tiny_llama(), train_dataset=TokenDataset(), callbacks=[callback],
+        args=transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8,
+                                            report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert callback.plan.decisions
+    assert not [w for w in seen if "autosac: the plan" in str(w.message)], [str(w.message)[:400] for w in seen]
+
+
 def test_hf_trainer_gradient_checkpointing_is_replaced_in_one_line(tmp_path):
     from autosac.trainers.hf import AutosacCallback
 
@@ -155,7 +171,7 @@ def test_hf_trainer_infeasible_budget_stops_before_the_first_step(tmp_path):
 # ---- Lightning ---------------------------------------------------------------------------------------
 
 
-def lightning_module(model):
+def lightning_module(model, batch_idx: bool = True):
     L = pytest.importorskip("lightning")
 
     class Module(L.LightningModule):
@@ -171,7 +187,11 @@ def lightning_module(model):
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
-    return Module()
+    class StepWithoutIndex(Module):
+        def training_step(self, batch):  # Lightning 2 allows leaving batch_idx out
+            return self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+
+    return Module() if batch_idx else StepWithoutIndex()
 
 
 def run_lightning(module, callbacks=(), steps: int = 4, **trainer_args):
@@ -225,6 +245,27 @@ def test_lightning_with_a_plan_trains_bitwise_the_same_within_budget(args):
     assert got[2] <= plan.budget_bytes, (got[2], plan.budget_bytes, ref[2])
     assert got[2] < ref[2]
     assert "training_step" not in module.__dict__  # the module's own method is back after the fit
+
+
+def test_lightning_step_without_batch_idx_and_a_second_fit_run_through_the_plan():
+    from autosac.trainers.lightning import AutosacCallback
+
+    base = tiny_llama()
+    ref = run_lightning(lightning_module(copy.deepcopy(base), batch_idx=False), steps=2)
+    callback = AutosacCallback("60%")
+    module = lightning_module(copy.deepcopy(base), batch_idx=False)
+    got = run_lightning(module, callbacks=[callback], steps=2)
+    assert callback.plan.decisions
+    assert_same_training(ref, got)
+    assert got[2] <= callback.plan.budget_bytes
+    routed = []
+
+    class Check(pytest.importorskip("lightning").Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            routed.append(pl_module.__dict__.get("training_step") is callback._step)
+
+    run_lightning(module, callbacks=[callback, Check()], steps=1)  # the same module fitted again
+    assert routed == [True] and "training_step" not in module.__dict__
 
 
 def test_lightning_manual_optimization_is_refused_in_one_line():

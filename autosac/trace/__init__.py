@@ -15,6 +15,7 @@ from autosac.integrations import own_checkpointing
 from autosac.loop import check_output_held, check_zero_grad
 from autosac.marks import has_applied_plan
 from autosac.optim import OptimizerSpec, optimizer_name
+from autosac.rng import generators_kept
 from autosac.stats import ModelStats
 from autosac.trace.aggregate import aggregate
 from autosac.trace.autocast import check_autocast_dtype
@@ -155,7 +156,7 @@ def profile(
     assumed = None if routing is None else parse_routing(routing)
     refuse_sharded(model, world_size)
     units = resolve_shard_units(model, shard_units, world_size)
-    with _generators_kept():  # timing real ops on this machine must not move the user's seeded RNG
+    with generators_kept():  # timing real ops (and Python in the forward) must not move the user's seeded RNG
         cost = CostModel(spec)
         try:
             step = trace_step(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, cost_model=cost,
@@ -188,12 +189,6 @@ def profile(
     # preserve_rng_state keeps the CPU generator state (and a device's) per checkpoint call
     stats.checkpoint_state_bytes = torch.get_rng_state().numel() + (16 if not spec.measured else 0)
     return stats
-
-
-def _generators_kept():
-    """torch's CPU generator, and CUDA's where CUDA is in use, restored on exit."""
-    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    return torch.random.fork_rng(devices=cuda)
 
 
 def _grads_alive(grad_accumulation: int, zero_grad: str) -> str:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import random
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -22,11 +20,12 @@ from autosac.api import solve
 from autosac.applier import apply
 from autosac.integrations import own_checkpointing, transformers_models
 from autosac.plan import Plan
+from autosac.rng import generators_kept
 
 log = logging.getLogger("autosac")
 
 __all__ = ["PlanRequest", "plan_and_apply", "first_batch", "optimizer_like", "default_target",
-           "turn_off_transformers_checkpointing"]
+           "refuse_processes", "turn_off_transformers_checkpointing"]
 
 
 @dataclass
@@ -98,13 +97,17 @@ def optimizer_like(optimizer) -> object:
     """A factory ``callable(params) -> optimizer`` for the kind of ``optimizer``
     (unwrapped from accelerate's or Lightning's wrapper), with its defaults:
     its state per parameter, and so its memory, are the trainer's.  ``None``
-    when there is none (the step is planned without an optimizer update)."""
+    when there is none (``"none"``: the step is planned without an optimizer update).
+
+    Raises:
+        TypeError: an optimizer from outside ``torch.optim`` (8-bit and paged
+            optimizers keep other state than their parameters' dtype): pass ``optimizer=``."""
     inner = optimizer
     while hasattr(inner, "optimizer") and isinstance(inner.optimizer, torch.optim.Optimizer):
         inner = inner.optimizer
     if inner is None:
         return "none"
-    if not isinstance(inner, torch.optim.Optimizer):
+    if not isinstance(inner, torch.optim.Optimizer) or not type(inner).__module__.startswith("torch.optim"):
         raise TypeError(f"autosac cannot model the optimizer {type(inner).__name__}: pass optimizer= "
                         "('adamw', 'sgd', 'none' or a callable(params) building one like it)")
     kind = type(inner)
@@ -119,28 +122,6 @@ def optimizer_like(optimizer) -> object:
     return build
 
 
-@contextmanager
-def _random_state_kept():
-    """Python's, NumPy's and torch's generators (CPU and CUDA) left as they were."""
-    py = random.getstate()
-    try:
-        import numpy as np
-        npstate = np.random.get_state()
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        np = npstate = None
-    cpu = torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    try:
-        yield
-    finally:
-        random.setstate(py)
-        if np is not None:
-            np.random.set_state(npstate)
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-
-
 def first_batch(dataloader):
     """The first batch ``dataloader`` yields, drawn without changing what
     training will draw: random generators are restored after, and accelerate's
@@ -153,7 +134,7 @@ def first_batch(dataloader):
         raise ValueError("autosac needs the trainer's training dataloader for its example batch: pass "
                          "example_inputs= instead")
     plain = getattr(dataloader, "base_dataloader", dataloader)
-    with _random_state_kept():
+    with generators_kept():
         it = iter(plain)
         try:
             batch = next(it)
@@ -162,6 +143,15 @@ def first_batch(dataloader):
         finally:
             del it
     return batch
+
+
+def refuse_processes(processes: int, trainer: str) -> None:
+    """A one-line ``ValueError`` for a run over several processes: DDP's
+    gradient buckets, FSDP's and DeepSpeed's sharding are not what a
+    one-process plan models."""
+    if processes > 1:
+        raise ValueError(f"the autosac {trainer} callback plans one-process training; this run has {processes} "
+                         "processes: plan with autosac.solve(..., world_size=N) and apply it before sharding")
 
 
 def turn_off_transformers_checkpointing(model: nn.Module) -> str | None:

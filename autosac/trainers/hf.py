@@ -34,16 +34,19 @@ Needs the ``hf`` extra: ``pip install 'autosac[hf]'``.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import torch
 
+from autosac.applier import applied_plan
 from autosac.errors import MissingExtraError
 from autosac.trainers.common import (
     PlanRequest,
     first_batch,
     optimizer_like,
     plan_and_apply,
+    refuse_processes,
     turn_off_transformers_checkpointing,
 )
 
@@ -63,6 +66,16 @@ def trainer_loss(output) -> torch.Tensor:
             raise ValueError("the model returned no loss: the training batches need labels (or pass loss_fn=)")
         return output["loss"]
     return output[0]
+
+
+def _takes_loss_kwargs(model) -> bool:
+    """Whether ``Trainer`` passes ``num_items_in_batch`` to this model's forward
+    (as it decides: the model's ``accepts_loss_kwargs``, else a ``**kwargs``)."""
+    inner = getattr(model, "get_base_model", lambda: model)()
+    accepts = getattr(inner, "accepts_loss_kwargs", None)
+    if accepts is not None:
+        return bool(accepts)
+    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in inspect.signature(inner.forward).parameters.values())
 
 
 class AutosacCallback(TrainerCallback):
@@ -87,7 +100,12 @@ class AutosacCallback(TrainerCallback):
 
     Raises (from ``trainer.train()``, before the first step, the model unchanged):
         InfeasibleBudgetError: no plan reaches the budget; the message says the least that does.
-        ValueError: a malformed budget; the model has no loss output and no ``loss_fn`` was given.
+        ValueError: a malformed budget; the model has no loss output and no ``loss_fn`` was given;
+            training over several processes (DDP, FSDP, DeepSpeed).
+        TypeError: an optimizer from outside ``torch.optim``: pass ``optimizer=``.
+
+    transformers' gradient checkpointing, turned off before planning, stays off
+    when planning fails.
     """
 
     def __init__(self, budget, *, example_inputs=None, loss_fn=None, target=None, optimizer=None,
@@ -101,14 +119,18 @@ class AutosacCallback(TrainerCallback):
         self.plan = None
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):
-        if self.plan is not None:  # train() called again on the same model: the plan is in place
+        if applied_plan(model) is not None:  # train() called again on the same model: the plan is in place
             return
+        refuse_processes(args.world_size, "Trainer")
         said = turn_off_transformers_checkpointing(model)
         if said:
             warnings.warn(said, stacklevel=2)
         batch = self.example_inputs if self.example_inputs is not None else first_batch(train_dataloader)
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in dict(batch).items()}
+        if "labels" in batch and "num_items_in_batch" not in batch and _takes_loss_kwargs(model):
+            # Trainer.compute_loss passes the step's label count to such a forward, divided (so floating)
+            batch["num_items_in_batch"] = (batch["labels"] != -100).sum() / 1
         autocast = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
         request = PlanRequest(
             budget=self.budget, loss_fn=self.loss_fn or trainer_loss,

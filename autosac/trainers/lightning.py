@@ -34,6 +34,7 @@ Needs the ``lightning`` extra: ``pip install 'autosac[lightning]'``.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from contextlib import contextmanager
 
@@ -41,7 +42,7 @@ import torch
 from torch import nn
 
 from autosac.errors import MissingExtraError
-from autosac.trainers.common import PlanRequest, first_batch, optimizer_like, plan_and_apply
+from autosac.trainers.common import PlanRequest, first_batch, optimizer_like, plan_and_apply, refuse_processes
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -62,9 +63,21 @@ class TrainingStep(nn.Module):
         super().__init__()
         self.module = module
         self._step = training_step  # the module's own bound method
+        self._positional = _positional_count(training_step)
 
-    def forward(self, batch, batch_idx=0, *args, **kwargs):
-        return self._step(batch, batch_idx, *args, **kwargs)
+    def forward(self, batch, *args, **kwargs):
+        args = (batch, *args)
+        return self._step(*(args if self._positional is None else args[:self._positional]), **kwargs)
+
+
+def _positional_count(fn) -> int | None:
+    """How many positional arguments ``fn`` takes (``None``: any number), so a
+    ``training_step(self, batch)`` is not handed the ``batch_idx`` it does not take."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params):
+        return None
+    return sum(1 for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                               inspect.Parameter.POSITIONAL_OR_KEYWORD))
 
 
 def step_loss(output) -> torch.Tensor:
@@ -112,8 +125,9 @@ class AutosacCallback(Callback):
 
     Raises (from ``trainer.fit``, before the first batch, the model unchanged):
         InfeasibleBudgetError: no plan reaches the budget; the message says the least that does.
-        ValueError: manual optimization, more than one optimizer, or a ``training_step``
-            that returns no loss.
+        ValueError: manual optimization, more than one optimizer, a ``training_step``
+            that returns no loss, or training over several processes.
+        TypeError: an optimizer from outside ``torch.optim``: pass ``optimizer=``.
     """
 
     def __init__(self, budget, *, example_inputs=None, target=None, optimizer=None, **solve_kwargs) -> None:
@@ -127,8 +141,10 @@ class AutosacCallback(Callback):
         self._step = None
 
     def on_train_start(self, trainer, pl_module) -> None:
-        if self.plan is not None:
+        if self.plan is not None:  # a later fit of the same module: the plan is in place, route the step again
+            self._route(pl_module)
             return
+        refuse_processes(trainer.world_size, "Lightning")
         if not pl_module.automatic_optimization:
             raise ValueError("autosac plans Lightning's automatic optimization; this module optimizes manually "
                              "(automatic_optimization = False): plan its step with autosac.solve directly")
@@ -149,8 +165,13 @@ class AutosacCallback(Callback):
         with _quiet_logging(pl_module):
             self.plan = plan_and_apply(root, (batch, 0), request)
         self.root = root
+        self._route(pl_module)
 
-        def training_step(*args, **kwargs):  # Lightning calls the module's method: it now runs through the root
+    def _route(self, pl_module) -> None:
+        """Lightning calls the module's ``training_step``: make it run through the root."""
+        root = self.root
+
+        def training_step(*args, **kwargs):
             return root(*args, **kwargs)
 
         pl_module.__dict__["training_step"] = self._step = training_step  # not a submodule: a plain function

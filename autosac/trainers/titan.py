@@ -92,14 +92,51 @@ def plan_for_job(model: nn.Module, job_config, world_size: int = 1) -> Plan:
     cfg, training = job_config.autosac, job_config.training
     device = next(model.parameters()).device
     tokens = torch.zeros(training.local_batch_size, training.seq_len, dtype=torch.long, device=device)
-    mixed = {}
-    if world_size > 1 and training.mixed_precision_param != "float32":
+    low = training.mixed_precision_param != "float32"
+    if world_size > 1:  # FSDP2's mixed precision
         mixed = {"param_dtype": getattr(torch, training.mixed_precision_param),
-                 "reduce_dtype": getattr(torch, training.mixed_precision_reduce)}
-    optimizer = job_config.optimizer.name.lower()
-    return solve(model, cfg.budget, tokens, loss_fn=titan_loss, optimizer=optimizer if optimizer in
-                 ("adamw", "adam") else "adamw", target=cfg.target, world_size=world_size, output_held=False,
-                 solver=cfg.solver, reserve=cfg.reserve if not cfg.reserve.isdigit() else int(cfg.reserve), **mixed)
+                 "reduce_dtype": getattr(torch, training.mixed_precision_reduce)} if low else {}
+    else:  # one device: torchtitan runs forward and loss under autocast (maybe_enable_amp)
+        mixed = {"autocast": getattr(torch, training.mixed_precision_param)} if low else {}
+    reserve = cfg.reserve.strip()
+    return solve(model, cfg.budget, tokens, loss_fn=titan_loss, optimizer=_optimizer(job_config.optimizer),
+                 target=cfg.target, world_size=world_size, output_held=False, solver=cfg.solver,
+                 reserve=0 if reserve in ("", "0") else reserve,
+                 grad_accumulation=accumulation_steps(job_config, world_size), **mixed)
+
+
+def _optimizer(config):
+    """torchtitan's optimizer as it builds it: foreach's step makes a list of
+    parameter-sized temporaries at once; fused and for-loop steps (modelled
+    alike: fused kernels need a real device) one parameter's at a time."""
+    name = config.name
+    kinds = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
+    if name.lower() not in kinds:
+        raise ValueError(f"the autosac converter models AdamW and Adam; this job uses {name!r}")
+    kind, foreach = kinds[name.lower()], config.implementation == "foreach"
+
+    def build(params):
+        return kind(params, lr=1e-4, foreach=foreach)
+
+    build.__name__ = name.lower()
+    return build
+
+
+def accumulation_steps(job_config, dp_degree: int) -> int:
+    """Micro-batches per optimizer step, as torchtitan derives them from the
+    global and local batch sizes over the data-parallel degree.
+
+    Raises:
+        ValueError: accumulation over several ranks (FSDP2 keeps sharded
+            gradients between micro-batches, which autosac does not model)."""
+    training = job_config.training
+    global_batch = training.global_batch_size
+    per_step = training.local_batch_size * dp_degree
+    steps = 1 if global_batch < 0 else max(1, global_batch // per_step)
+    if steps > 1 and dp_degree > 1:
+        raise ValueError(f"the autosac converter models gradient accumulation on one rank; this job accumulates "
+                         f"{steps} micro-batches over {dp_degree} ranks: raise training.local_batch_size")
+    return steps
 
 
 class AutosacConverter:
@@ -110,8 +147,13 @@ class AutosacConverter:
         if job_config.activation_checkpoint.mode != "none":
             raise ValueError("the autosac converter decides what to checkpoint: set --activation_checkpoint.mode "
                              f"none (it is {job_config.activation_checkpoint.mode!r})")
+        unmodelled = {name: getattr(parallel_dims, name) for name in ("dp_replicate", "tp", "pp", "cp", "ep")
+                      if getattr(parallel_dims, name, 1) > 1}
+        if unmodelled:
+            raise ValueError(f"the autosac converter models FSDP2 over data-parallel shards only; this job has "
+                             f"{', '.join(f'{k}={v}' for k, v in unmodelled.items())}")
         self.job_config = job_config
-        self.world_size = parallel_dims.dp_shard * parallel_dims.cp if parallel_dims.fsdp_enabled else 1
+        self.world_size = parallel_dims.dp_shard if parallel_dims.fsdp_enabled else 1
         self.plan = None
 
     def convert(self, model: nn.Module) -> None:
