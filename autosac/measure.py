@@ -32,12 +32,17 @@ _MEASURED = "autosac::measured_step"
 @dataclass
 class Measurement:
     """``peak_bytes``: most tensor bytes alive at once in one steady-state step;
-    ``step_ms``: median wall time of the timed steps; ``loss``: last step's loss."""
+    ``step_ms``: median wall time of the timed steps (``nan`` with ``steps=0``);
+    ``loss``: last step's loss."""
 
     peak_bytes: int
     step_ms: float
     step_ms_all: list[float]
     loss: float
+
+
+def _median(times: list[float]) -> float:
+    return statistics.median(times) if times else float("nan")
 
 
 def _storage_bytes(tensors) -> int:
@@ -77,7 +82,8 @@ def measure(
         model: a model with real weights on the local device (CPU or one CUDA device).
         example_inputs: a tensor, tuple of args, or dict of kwargs.
         loss_fn: as in :func:`autosac.profile`.
-        steps: timed steps; their median is ``step_ms``.
+        steps: timed steps; their median is ``step_ms``.  ``0``: the peak
+            only (the warm-up and the profiled step), ``step_ms`` is ``nan``.
         optimizer: as in :func:`autosac.profile`; must match the profile to compare peaks.
         autocast: run forward and loss under ``torch.autocast`` in this dtype
             on the model's device (as :func:`autosac.profile` traced them).
@@ -104,7 +110,7 @@ def measure(
         Measurement with ``.peak_bytes`` and ``.step_ms``.
 
     Raises:
-        ValueError: ``steps < 1`` or ``grad_accumulation < 1``, a model on ``meta`` (nothing to run), an
+        ValueError: ``steps < 0`` or ``grad_accumulation < 1``, a model on ``meta`` (nothing to run), an
             ``autocast`` other than bfloat16/float16, or a non-bool ``output_held``.
 
     Example::
@@ -112,8 +118,8 @@ def measure(
         >>> m = autosac.measure(model, idx, steps=3)
         >>> print(m.peak_bytes / 2**20, "MiB", m.step_ms, "ms")
     """
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        raise ValueError(f"steps must be an int >= 0, got {steps!r}")
     if not isinstance(grad_accumulation, int) or isinstance(grad_accumulation, bool) or grad_accumulation < 1:
         raise ValueError(f"grad_accumulation must be a positive int, got {grad_accumulation!r}")
     if any(p.is_meta for p in model.parameters()):
@@ -167,7 +173,7 @@ def measure(
             zero_grads()
         return value
 
-    step()  # creates optimizer state: later steps are steady-state
+    loss = step()  # creates optimizer state: later steps are steady-state
     times = []
     for _ in range(steps):
         if cuda:
@@ -188,7 +194,7 @@ def measure(
         torch.cuda.reset_peak_memory_stats(device)
         step()
         torch.cuda.synchronize(device)
-        return Measurement(torch.cuda.max_memory_allocated(device), statistics.median(times), times, loss)
+        return Measurement(torch.cuda.max_memory_allocated(device), _median(times), times, loss)
 
     alive = list(model.parameters()) + list(model.buffers()) + list(tree_leaves((args, kwargs)))
     if opt is not None:
@@ -197,7 +203,7 @@ def measure(
     grads = [p.grad for p in model.parameters() if p.grad is not None]  # zero_grad="before_backward"
     if not output_held and not grads:
         peak, _ = allocation_peak(step)
-        return Measurement(_storage_bytes(alive) + peak, statistics.median(times), times, loss)
+        return Measurement(_storage_bytes(alive) + peak, _median(times), times, loss)
     # The measured step frees the previous step's output (and gradients), which the profiler
     # reports only if they were made under the profile: one step runs first, then the measured
     # step, counted from its start; what the first leaves alive is counted as the step before
@@ -213,4 +219,4 @@ def measure(
         return step()
 
     peak, _ = allocation_peak(two_steps, after=_MEASURED)
-    return Measurement(base + peak, statistics.median(times), times, loss)
+    return Measurement(base + peak, _median(times), times, loss)

@@ -172,10 +172,15 @@ def measure_sweep(result: Sweep, model, example_inputs, *, steps: int = 2, optim
 
     Returns:
         ``result``, filled in.
+
+    Raises:
+        ValueError: ``steps < 1`` (the overheads need timed steps).
     """
     from autosac.applier import apply
     from autosac.measure import measure
 
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"measure_sweep needs steps >= 1 (timed steps give the overheads), got {steps!r}")
     plans = [p for p in [*result.points, result.full_ac] if p is not None and p.plan is not None]
     if not plans:
         return result

@@ -3,8 +3,8 @@ import tempfile
 
 import torch
 
-# Deterministic, single-threaded CPU math: equal results run to run, and the
-# suite leaves the machine's second core to the other process.
+# Deterministic, single-threaded CPU math: equal results run to run, and each
+# of the README command's two pytest-xdist workers keeps to one core.
 torch.manual_seed(0)
 # ``target="cpu"`` timings are kept per machine; the suite keeps its own, in a temporary folder
 os.environ.setdefault("AUTOSAC_CACHE_DIR", tempfile.mkdtemp(prefix="autosac-test-cache-"))

@@ -116,7 +116,7 @@ def check_model(
             fresh, inputs = build()
             autosac.apply(fresh, plan)
             with routed():
-                measured = autosac.measure(fresh, inputs, loss_fn=loss_fn, steps=1, optimizer=optimizer,
+                measured = autosac.measure(fresh, inputs, loss_fn=loss_fn, steps=0, optimizer=optimizer,
                                            autocast=autocast, output_held=output_held).peak_bytes
         rows.append(Row(name, label, plan.budget_bytes, plan.predicted_peak_bytes, measured, True,
                         f"{len(plan.decisions)} modules"))

@@ -53,6 +53,9 @@ def test_plan_composes_with_fully_shard(tmp_path):
 
 
 MEM_CFG = dict(n_layer=4, dim=256, n_head=4, seq=256, vocab=2048, dropout=0.0)
+# with bf16 parameters: smaller, as bfloat16 matmuls on a CPU without bf16
+# instructions run ~40x slower than float32
+MIXED_CFG = dict(MEM_CFG, dim=128, seq=128)
 
 
 def _peak_worker(rank, world, port, plan_json, out_dir, mixed=None, plain_checkpoint=None, units=None):
@@ -65,7 +68,7 @@ def _peak_worker(rank, world, port, plan_json, out_dir, mixed=None, plain_checkp
     torch.set_num_threads(1)
     with gloo_group(rank, world, port):
         torch.manual_seed(0)
-        model, idx = build_model("gpt2", device="cpu", batch=4, **MEM_CFG)
+        model, idx = build_model("gpt2", device="cpu", batch=4, **(MIXED_CFG if mixed else MEM_CFG))
         if plan_json:
             autosac.apply(model, autosac.Plan.from_json(plan_json))
         if plain_checkpoint:
@@ -76,7 +79,7 @@ def _peak_worker(rank, world, port, plan_json, out_dir, mixed=None, plain_checkp
         for block in [model.get_submodule(u) for u in units] if units else model.blocks:
             fully_shard(block, **kw)
         fully_shard(model, **kw)
-        peak = autosac.measure(model, idx, optimizer="adamw", steps=1).peak_bytes
+        peak = autosac.measure(model, idx, optimizer="adamw", steps=0).peak_bytes
         (out_dir / f"rank{rank}").write_text(str(peak))
 
 
@@ -146,7 +149,7 @@ def test_mixed_precision_fsdp2_matches_its_prediction(tmp_path):
     shards and AdamW state in fp32; per-rank peak with and without a plan."""
     from suite import A100_CPU_KERNELS
 
-    model, idx = build_model("gpt2", device="meta", batch=4, **MEM_CFG)
+    model, idx = build_model("gpt2", device="meta", batch=4, **MIXED_CFG)
     mixed = (torch.bfloat16, torch.float32)
     stats = autosac.profile(model, idx, optimizer="adamw", target=A100_CPU_KERNELS, world_size=2,
                             param_dtype=mixed[0], reduce_dtype=mixed[1])

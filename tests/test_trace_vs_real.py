@@ -79,14 +79,14 @@ def test_batch_norm_over_a_transposed_input_lays_out_its_outputs_as_the_kernel_d
     torch.manual_seed(0)
     model, ids = BNOverTime(), torch.randint(0, 500, (8, 128))
     stats = autosac.profile(model, ids, target=A100_CPU_KERNELS)
-    assert stats.peak_bytes == measure(model, ids, steps=1).peak_bytes
+    assert stats.peak_bytes == measure(model, ids, steps=0).peak_bytes
     with pytest.raises(autosac.InfeasibleBudgetError) as err:
         autosac.solve(stats, 1)
     plan = autosac.solve(stats, err.value.min_feasible_bytes)
     import copy
 
     planned = autosac.apply(copy.deepcopy(model), plan)
-    assert measure(planned, ids, steps=1).peak_bytes <= plan.budget_bytes
+    assert measure(planned, ids, steps=0).peak_bytes <= plan.budget_bytes
 
 
 def test_the_kernel_layout_rule_matches_real_batch_norm_kernels():
@@ -116,3 +116,24 @@ def test_the_kernel_layout_rule_matches_real_batch_norm_kernels():
                 fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
                 traced = with_kernel_layout(func, fake_args, func(*fake_args))[0].stride()
             assert traced == real, (func, x.stride(), traced, real)
+
+
+def test_measuring_the_peak_only_gives_the_same_peak_and_no_time():
+    """``steps=0``: the warm-up and the profiled step, no timed ones -- the
+    same peak as with timed steps (the measured step is steady-state either
+    way), ``step_ms`` nan; a bad ``steps`` is one clear error."""
+    import math
+
+    from autosac.sweep import measure_sweep, sweep
+
+    torch.manual_seed(0)
+    model, idx = build_model("gpt2", device="cpu", batch=2, n_layer=2, dim=64, n_head=4, seq=64, vocab=128)
+    timed, peak_only = measure(model, idx, steps=2), measure(model, idx, steps=0)
+    assert peak_only.peak_bytes == timed.peak_bytes
+    assert math.isnan(peak_only.step_ms) and peak_only.step_ms_all == [] and len(timed.step_ms_all) == 2
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="steps must be an int >= 0"):
+            measure(model, idx, steps=bad)
+    result = sweep(autosac.profile(model, idx, target=A100_CPU_KERNELS), ["90%"])
+    with pytest.raises(ValueError, match="measure_sweep needs steps >= 1"):
+        measure_sweep(result, model, idx, steps=0)

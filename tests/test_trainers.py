@@ -373,7 +373,7 @@ def test_titan_debug_model_plan_fits_the_memory_of_titans_own_checkpointing(mode
 
     model = titan_debug(layers=4)
     tokens = torch.randint(0, 2048, (4, 256))
-    loop = dict(loss_fn=titan_loss, output_held=False, steps=1)
+    loop = dict(loss_fn=titan_loss, output_held=False, steps=0)
     theirs = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

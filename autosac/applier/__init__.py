@@ -92,10 +92,11 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     for fqn, mod in modules.items():
         mod.forward = types.MethodType(_checkpointed_forward, mod)
         setattr(mod, POLICY, policies[fqn])
-    model.register_forward_pre_hook(_enter_model, with_kwargs=True)
-    model.register_forward_hook(_exit_model, always_call=True)
+    enter_model, exit_model, no_cache = _model_hooks()
+    model.register_forward_pre_hook(enter_model, with_kwargs=True)
+    model.register_forward_hook(exit_model, always_call=True)
     for _, inner in transformers_models(model):  # wherever they sit: the root or inside a wrapper
-        inner.register_forward_pre_hook(_no_cache, with_kwargs=True, prepend=True)
+        inner.register_forward_pre_hook(no_cache, with_kwargs=True, prepend=True)
     setattr(model, APPLIED, {"plan": plan, "warned_shapes": set()})
     model.__dict__[_CAST_CTX] = []  # made here, not at the first forward: a trace sees no new state
     return model
@@ -126,7 +127,7 @@ def unapply(model: nn.Module) -> nn.Module:
     # found by identity rather than through handles, which a deepcopy would share
     for mod in model.modules():
         for table in (mod._forward_pre_hooks, mod._forward_hooks):
-            for key in [k for k, fn in table.items() if fn in (_enter_model, _exit_model, _no_cache)]:
+            for key in [k for k, fn in table.items() if fn in _model_hooks()]:
                 del table[key]
                 mod._forward_hooks_always_called.pop(key, None)
                 mod._forward_pre_hooks_with_kwargs.pop(key, None)
@@ -171,7 +172,14 @@ def _checkpointed_forward(self, *args, **kwargs):
     return out
 
 
-@torch.compiler.disable
+@functools.cache
+def _model_hooks() -> tuple:
+    """The hooks :func:`apply` puts on a model, run outside ``torch.compile``'s
+    tracing (``torch.compiler.disable``).  Wrapped at the first ``apply``, not
+    at import: the wrapping imports Dynamo, which takes seconds."""
+    return tuple(torch.compiler.disable(fn) for fn in (_enter_model, _exit_model, _no_cache))
+
+
 def _enter_model(module, args, kwargs):
     state = module.__dict__.get(APPLIED)
     if state is not None and state["plan"].input_shapes:
@@ -187,7 +195,6 @@ def _enter_model(module, args, kwargs):
     return None
 
 
-@torch.compiler.disable
 def _no_cache(module, args, kwargs):
     """On each transformers model of a planned model: no cache in training
     (:func:`autosac.integrations.no_cache_hook`), said once per model."""
@@ -202,7 +209,6 @@ def _no_cache(module, args, kwargs):
     return changed
 
 
-@torch.compiler.disable
 def _exit_model(module, args, output):
     stack = module.__dict__.get(_CAST_CTX)
     if stack:
