@@ -9,3 +9,6 @@ torch.manual_seed(0)
 # ``target="cpu"`` timings are kept per machine; the suite keeps its own, in a temporary folder
 os.environ.setdefault("AUTOSAC_CACHE_DIR", tempfile.mkdtemp(prefix="autosac-test-cache-"))
 torch.set_num_threads(int(os.environ.get("AUTOSAC_TEST_THREADS", "1")))
+# and so do the processes tests start (the command line, notebook kernels): two
+# OpenMP threads each beside the other worker spin-wait, several times slower
+os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("AUTOSAC_TEST_THREADS", "1"))
