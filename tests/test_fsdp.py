@@ -138,9 +138,11 @@ def test_a_planned_whole_unit_costs_what_torch_checkpoint_costs(tmp_path):
     stats = autosac.profile(model, idx, optimizer="adamw", target=A100_CPU_KERNELS, world_size=2)
     plan = plan_from_decisions(stats, {"blocks.0": 1.0})
     planned, plain = [], []
-    for _ in range(2):  # the least of two runs: a rank sometimes holds a few MB more (gloo's timing)
+    for _ in range(2):  # the least of up to two runs: a rank sometimes holds a few MB more (gloo's timing)
         planned.append(_fsdp_peak(tmp_path, 2, plan))
         plain.append(_fsdp_peak(tmp_path, 2, None, plain_checkpoint="blocks.0"))
+        if abs(min(planned) - min(plain)) <= 64 * 1024:
+            break
     assert abs(min(planned) - min(plain)) <= 64 * 1024, (planned, plain)
 
 
