@@ -171,7 +171,7 @@ def cmd_sweep(args) -> int:
     if args.verify:
         model, inputs = build_from_spec(args.model, args.model_arg, args.batch, args.seq, device="cpu")
         with progress.stage("running each plan for real (--verify)"):
-            measure_sweep(result, model, inputs, optimizer=args.optimizer)
+            measure_sweep(result, model, inputs, rounds=args.rounds, optimizer=args.optimizer)
     print(f"{stats.model} on {stats.target['name']}: baseline peak {format_bytes(result.baseline_peak_bytes)}, "
           f"step {stats.step_ms:.2f} ms\n")
     if args.reserve:
@@ -243,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="draw budget vs recompute overhead to FILE (.png, .svg, .pdf; needs autosac[plot])")
     s.add_argument("--verify", action="store_true",
                    help="also run each plan for real on this CPU (with --target cpu) and plot the measured points")
+    s.add_argument("--rounds", type=_positive_int, default=3,
+                   help="with --verify: interleaved rounds of every variant; overheads are medians over them")
     s.set_defaults(func=cmd_sweep)
     v = sub.add_parser("verify", help="run a plan for real on this machine: predicted vs measured")
     v.add_argument("plan")

@@ -156,31 +156,47 @@ def _point(plan: Plan, budget: int) -> SweepPoint:
                       plan.solver.get("status", ""), plan=plan)
 
 
-def measure_sweep(result: Sweep, model, example_inputs, *, steps: int = 2, optimizer: str | None = None) -> Sweep:
+def measure_sweep(result: Sweep, model, example_inputs, *, steps: int = 2, rounds: int = 3,
+                  optimizer: str | None = None) -> Sweep:
     """Run each point's plan for real on this machine (a copy of ``model`` per
-    plan) and fill its ``measured_peak_bytes`` and ``measured_overhead`` (step
-    time over the unmodified model's, measured in the same call); and measure
-    ``torch.utils.checkpoint`` (non-reentrant) around every block, the usual
-    alternative, as ``result.torch_checkpoint``.
+    plan) and fill its ``measured_peak_bytes`` and ``measured_overhead``; and
+    measure ``torch.utils.checkpoint`` (non-reentrant) around every block, the
+    usual alternative, as ``result.torch_checkpoint``.
+
+    Step times on a busy machine drift by more than the differences between
+    plans, so the variants run in ``rounds`` interleaved rounds (the
+    unmodified model, each plan, torch's checkpoint, then again): a variant's
+    overhead is the median over rounds of its step time over the unmodified
+    model's in the same round.  Its peak is the most any round measured.
 
     Args:
         result: from :func:`sweep` on this model's profile.
         model: the model with real weights, on the device the plans were made for.
         example_inputs: as profiled.
-        steps: timed steps per plan (after one untimed step).
+        steps: timed steps per plan and round (after one untimed step).
+        rounds: interleaved rounds.
         optimizer: as profiled (default: the plan's).
 
     Returns:
         ``result``, filled in.
 
     Raises:
-        ValueError: ``steps < 1`` (the overheads need timed steps).
+        ValueError: ``steps < 1`` (the overheads need timed steps) or ``rounds < 1``.
+
+    Example::
+
+        >>> result = measure_sweep(sweep(stats, ["70%", "least"]), model, idx)
+        >>> [p.measured_overhead for p in result.points]
     """
+    import statistics
+
     from autosac.applier import apply
     from autosac.measure import measure
 
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"measure_sweep needs steps >= 1 (timed steps give the overheads), got {steps!r}")
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+        raise ValueError(f"measure_sweep needs rounds >= 1, got {rounds!r}")
     plans = [p for p in [*result.points, result.full_ac] if p is not None and p.plan is not None]
     if not plans:
         return result
@@ -189,17 +205,25 @@ def measure_sweep(result: Sweep, model, example_inputs, *, steps: int = 2, optim
     loop = dict(steps=steps, optimizer=opt, output_held=plans[0].plan.output_held,
                 grad_accumulation=min(plans[0].plan.grad_accumulation, 2), zero_grad=plans[0].plan.zero_grad,
                 batches_ahead=plans[0].plan.batches_ahead)
-    base = measure(copy.deepcopy(model), example_inputs, **loop)
-    result.measured_baseline_peak_bytes = base.peak_bytes
-    for point in plans:
-        got = measure(apply(copy.deepcopy(model), point.plan), example_inputs, **loop)
-        point.measured_peak_bytes = got.peak_bytes
-        point.measured_overhead = got.step_ms / base.step_ms - 1
+    variants = [(p, lambda p=p: apply(copy.deepcopy(model), p.plan)) for p in plans]
     if result.blocks:
-        got = measure(_torch_checkpointed(model, result.blocks), example_inputs, **loop)
-        result.torch_checkpoint = SweepPoint(got.peak_bytes, status="torch.utils.checkpoint",
-                                             modules=len(result.blocks), measured_peak_bytes=got.peak_bytes,
-                                             measured_overhead=got.step_ms / base.step_ms - 1)
+        result.torch_checkpoint = SweepPoint(0, status="torch.utils.checkpoint", modules=len(result.blocks))
+        variants.append((result.torch_checkpoint, lambda: _torch_checkpointed(model, result.blocks)))
+    peaks, ratios = {id(p): 0 for p, _ in variants}, {id(p): [] for p, _ in variants}
+    base_peak = 0
+    for _ in range(rounds):
+        base = measure(copy.deepcopy(model), example_inputs, **loop)
+        base_peak = max(base_peak, base.peak_bytes)
+        for point, build in variants:  # one copy alive at a time: a large model's copies need not fit together
+            got = measure(build(), example_inputs, **loop)
+            peaks[id(point)] = max(peaks[id(point)], got.peak_bytes)
+            ratios[id(point)].append(got.step_ms / base.step_ms)
+    result.measured_baseline_peak_bytes = base_peak
+    for point, _ in variants:
+        point.measured_peak_bytes = peaks[id(point)]
+        point.measured_overhead = statistics.median(ratios[id(point)]) - 1
+    if result.torch_checkpoint is not None:
+        result.torch_checkpoint.budget_bytes = result.torch_checkpoint.measured_peak_bytes
     return result
 
 

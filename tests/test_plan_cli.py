@@ -144,13 +144,13 @@ def test_sweep_measured_keeps_each_budget_and_plots(tmp_path):
     from autosac.report import sweep_table
     from autosac.sweep import measure_sweep, repeated_blocks, sweep
 
-    model, idx = build_model("seed-transformer", n_layer=3, seq=96, device="cpu")
+    model, idx = build_model("seed-transformer", n_layer=3, dim=384, n_head=6, seq=96, device="cpu")
     stats = autosac.profile(model, idx, target="cpu", optimizer="sgd")
     assert repeated_blocks(stats) == ["blocks.0", "blocks.1", "blocks.2"]
     result = sweep(stats, ["95%", "90%", "1KiB"])
     assert [p.plan is not None for p in result.points] == [True, True, False]
     assert result.least_peak_bytes is not None and result.least_peak_bytes > 1024
-    measure_sweep(result, model, idx, steps=1)
+    measure_sweep(result, model, idx, steps=1, rounds=2)
     for p in [*result.points[:2], result.full_ac]:
         assert p.measured_peak_bytes <= p.budget_bytes or p is result.full_ac, (p.measured_peak_bytes, p.budget_bytes)
         assert abs(p.measured_peak_bytes - p.peak_bytes) <= 0.01 * p.measured_peak_bytes

@@ -137,3 +137,5 @@ def test_measuring_the_peak_only_gives_the_same_peak_and_no_time():
     result = sweep(autosac.profile(model, idx, target=A100_CPU_KERNELS), ["90%"])
     with pytest.raises(ValueError, match="measure_sweep needs steps >= 1"):
         measure_sweep(result, model, idx, steps=0)
+    with pytest.raises(ValueError, match="measure_sweep needs rounds >= 1"):
+        measure_sweep(result, model, idx, rounds=0)
