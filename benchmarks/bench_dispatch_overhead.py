@@ -8,6 +8,8 @@ Variants, measured in turn with rounds interleaved (medians of the timed steps):
   torch ckpt            torch.utils.checkpoint of every block
   torch sac matmuls     torch's selective checkpointing of every block, matmuls and attention saved
   autosac <budget>      autosac's plan for 90 %, 70 %, 50 % and the least feasible budget
+  autosac = <variant>   autosac's plan for the measured peak of torch ckpt / torch sac matmuls:
+                        the same memory, the step time side by side
 
 Each row gives the measured peak (profiler allocator events, the held-output
 loop autosac plans for, no optimizer) and whether it is within the budget,
@@ -87,9 +89,16 @@ def main() -> None:
     variants = {"none": model, "torch ckpt": _wrapped(model),
                 "torch sac matmuls": _wrapped(model, functools.partial(create_selective_checkpoint_contexts,
                                                                         _save_matmuls))}
+    peaks = {k: autosac.measure(m, idx, steps=0, optimizer="none").peak_bytes for k, m in variants.items()}
+    for theirs in ("torch ckpt", "torch sac matmuls"):  # autosac at the same memory as each alternative
+        try:
+            plans[f"= {theirs}"] = autosac.solve(stats, peaks[theirs])
+        except autosac.InfeasibleBudgetError:
+            pass
     for budget, plan in plans.items():
         variants[f"autosac {budget}"] = autosac.apply(copy.deepcopy(model), plan)
-    peaks = {k: autosac.measure(m, idx, steps=1, optimizer="none").peak_bytes for k, m in variants.items()}
+        peaks[f"autosac {budget}"] = autosac.measure(variants[f"autosac {budget}"], idx, steps=0,
+                                                     optimizer="none").peak_bytes
     times = _timed(variants, idx, rounds)
     base = times["none"]
     host = stats.target["host"]
