@@ -44,6 +44,57 @@ def _native_stderr_quiet():
         os.close(saved)
 
 
+_COLLECTIVE = "c10d::"  # torch.distributed's in-place collectives (the ops behind dist.all_gather_into_tensor & co.)
+
+
+def _memory_with_unseen_frees(roots) -> list[tuple[int, int]]:
+    """``(time, bytes)`` of the allocator events in the profiler's event tree
+    ``roots``, sorted, with the frees the profiler did not see added back.
+
+    The profiler records an allocation or a free only on a thread that carries
+    its thread-local state.  A collective's backend thread does not once it has
+    run the collective: gloo's worker (``ProcessGroupGloo::runLoop``) drops its
+    reference to a finished Work after it signalled completion, racing the
+    caller, and when it drops the last one the tensors the Work held are freed
+    unseen.  Gloo's ``reduce_scatter_tensor`` works on a whole copy of its input
+    (``reduce_scatter_tensor_coalesced``: ``inputTensors[i].clone()``, then an
+    all-reduce of it), so in some runs a rank appeared to hold one FSDP unit's
+    gradients in ``reduce_dtype`` until the step's end.  Two frees are added:
+
+    * memory allocated inside a ``c10d::`` collective on the calling thread is
+      the backend's working memory (the op's outputs are the caller's, made
+      before): counted freed when that op returns, the caller then only
+      waiting for the collective;
+    * any other allocation whose address the allocator hands out again with no
+      free seen in between was freed before that: counted freed there.
+    """
+    from torch._C._profiler import _ExtraFields_Allocation
+
+    allocations = []  # (time, ptr, bytes, end of the enclosing collective or None)
+    todo = [(root, None) for root in roots]
+    while todo:
+        event, collective_end = todo.pop()
+        if collective_end is None and event.name.startswith(_COLLECTIVE):
+            collective_end = event.end_time_ns
+        fields = event.extra_fields
+        if isinstance(fields, _ExtraFields_Allocation):
+            allocations.append((event.start_time_ns, fields.ptr, fields.alloc_size, collective_end))
+        todo.extend((child, collective_end) for child in event.children)
+    allocations.sort(key=lambda a: (a[0], a[2]))
+    memory, alive = [], {}  # alive: ptr -> (bytes, end of the collective that made it)
+    for at, ptr, nbytes, collective_end in allocations:
+        if nbytes > 0:
+            unseen = alive.pop(ptr, None)  # its address handed out again: freed, unseen
+            if unseen is not None:
+                memory.append((at if unseen[1] is None else min(unseen[1], at), -unseen[0]))
+            alive[ptr] = (nbytes, collective_end)
+        else:
+            alive.pop(ptr, None)
+        memory.append((at, nbytes))
+    memory += [(end, -nbytes) for nbytes, end in alive.values() if end is not None]
+    return sorted(memory)
+
+
 class AllocationCounter:
     """The profiler's allocator events between :meth:`start` and :meth:`stop`,
     for code that cannot be wrapped in one call (a trainer's callbacks start and
@@ -73,7 +124,10 @@ class AllocationCounter:
         with _native_stderr_quiet():
             profiler.stop()
         events = profiler.profiler.kineto_results.events()
-        memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+        if any(e.name().startswith(_COLLECTIVE) for e in events):
+            memory = _memory_with_unseen_frees(profiler.profiler.kineto_results.experimental_event_tree())
+        else:
+            memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
         first = min((e.start_ns() for e in events if after is not None and e.name() == after), default=None)
         if after is not None and first is None:
             raise RuntimeError(f"allocation_peak: fn never entered record_function({after!r})")

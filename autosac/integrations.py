@@ -37,8 +37,13 @@ def builds_cache(model: nn.Module) -> bool:
 
 def training_kwargs(model: nn.Module, kwargs: dict) -> dict | None:
     """``kwargs`` with ``use_cache=False`` when ``model`` is a transformers model
-    in training mode that would otherwise build a cache; ``None`` when nothing
-    changes (also for encoders, which ignore the flag).
+    in training mode that can build a cache; ``None`` when nothing changes
+    (``use_cache=False`` passed already, or an encoder, which ignores the flag).
+
+    The flag is passed even when the model's config says ``use_cache=False``
+    (as transformers' ``Trainer`` sets it): an encoder-decoder such as T5
+    hands ``use_cache=None`` on to its decoder, whose own config still says
+    True, and the decoder builds the cache anyway.
 
     Example::
 
@@ -47,11 +52,15 @@ def training_kwargs(model: nn.Module, kwargs: dict) -> dict | None:
     """
     if not model.training or not _is_transformers_model(model):
         return None
-    config = getattr(model, "config", None)
-    wanted = kwargs.get("use_cache", getattr(config, "use_cache", None))
-    if not wanted or not builds_cache(model):
+    if kwargs.get("use_cache", True) is False or not builds_cache(model):
         return None
     return {**kwargs, "use_cache": False}
+
+
+def cache_requested(model: nn.Module, kwargs: dict) -> bool:
+    """Whether the caller asked ``model`` for a cache: ``use_cache=True`` passed,
+    or not passed and the model's config says True."""
+    return bool(kwargs.get("use_cache", getattr(getattr(model, "config", None), "use_cache", None)))
 
 
 def transformers_models(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -24,7 +24,7 @@ from autosac.applier.region import RegionPolicy, warn_user
 from autosac.errors import PlanMismatchError, StatsFormatError
 from autosac.fingerprint import model_fingerprint
 from autosac.inputs import format_signature, input_signature
-from autosac.integrations import no_cache_hook, own_checkpointing, transformers_models
+from autosac.integrations import cache_requested, no_cache_hook, own_checkpointing, transformers_models
 from autosac.marks import APPLIED, CACHE_WARNED, POLICY
 from autosac.plan import Plan
 
@@ -199,7 +199,7 @@ def _no_cache(module, args, kwargs):
     """On each transformers model of a planned model: no cache in training
     (:func:`autosac.integrations.no_cache_hook`), said once per model."""
     changed = no_cache_hook(module, args, kwargs)
-    if changed is not None and not module.__dict__.get(CACHE_WARNED):
+    if changed is not None and cache_requested(module, kwargs) and not module.__dict__.get(CACHE_WARNED):
         module.__dict__[CACHE_WARNED] = True
         warn_user(
             f"autosac: use_cache=True in a training forward of {type(module).__name__} keeps every layer's keys and "
