@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 import torch
 
+from autosac.errors import ProfilerBusyError
+
 
 @contextlib.contextmanager
 def _native_stderr_quiet():
@@ -95,6 +97,19 @@ def _memory_with_unseen_frees(roots) -> list[tuple[int, int]]:
     return sorted(memory)
 
 
+def refuse_running_profiler() -> None:
+    """Raise :class:`ProfilerBusyError` when a profiler session is running.
+
+    autosac reads memory off a profiler of its own, and the profiler does not
+    nest: starting a second session ends the user's and empties what it had
+    recorded.  (Ops timed under a profiler are slower than they run, too.)"""
+    if torch.autograd.profiler._is_profiler_enabled or torch._C._autograd._profiler_enabled():
+        raise ProfilerBusyError(
+            "autosac measures memory with torch.profiler, and another profiler session is running (a second would "
+            "end it and empty what it recorded): plan and measure before starting your profiler, or give its "
+            "schedule a wait step before the step autosac plans on")
+
+
 class AllocationCounter:
     """The profiler's allocator events between :meth:`start` and :meth:`stop`,
     for code that cannot be wrapped in one call (a trainer's callbacks start and
@@ -111,6 +126,14 @@ class AllocationCounter:
         self._profiler = None
 
     def start(self) -> None:
+        """Start counting.
+
+        Raises:
+            ProfilerBusyError: a profiler session (``torch.profiler.profile``,
+                ``torch.autograd.profiler.profile``) is already running: a second
+                one would stop it and empty what it recorded.
+        """
+        refuse_running_profiler()
         self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
         with _native_stderr_quiet():
             self._profiler.start()

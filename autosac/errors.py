@@ -29,6 +29,10 @@ class PlanMismatchError(ValueError):
     """A plan does not fit the model it is applied to."""
 
 
+class ProfilerBusyError(RuntimeError):
+    """autosac needs torch.profiler's allocator events while another profiler session is running."""
+
+
 class UserError(Exception):
     """A mistake in the command line or its inputs (a model spec, an option): reported in one line."""
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from autosac.allocations import allocation_peak
+from autosac.allocations import allocation_peak, refuse_running_profiler
 from autosac.inputs import split_inputs
 from autosac.loop import check_output_held, check_zero_grad, output_tensors
 from autosac.optim import OptimizerSpec, default_loss, make_optimizer
@@ -112,6 +112,7 @@ def measure(
     Raises:
         ValueError: ``steps < 0`` or ``grad_accumulation < 1``, a model on ``meta`` (nothing to run), an
             ``autocast`` other than bfloat16/float16, or a non-bool ``output_held``.
+        ProfilerBusyError: a ``torch.profiler`` session is running (measuring would end it).
 
     Example::
 
@@ -122,6 +123,7 @@ def measure(
         raise ValueError(f"steps must be an int >= 0, got {steps!r}")
     if not isinstance(grad_accumulation, int) or isinstance(grad_accumulation, bool) or grad_accumulation < 1:
         raise ValueError(f"grad_accumulation must be a positive int, got {grad_accumulation!r}")
+    refuse_running_profiler()
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("the model is on meta: measure needs real weights (build it on cpu)")
     check_autocast_dtype(autocast)

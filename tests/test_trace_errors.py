@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 import autosac
+from autosac.models import build_model
 
 
 class Broken(nn.Module):
@@ -120,3 +121,29 @@ def test_an_op_both_kernels_refuse_blames_the_inputs_and_names_the_op():
                                                  r"same reduction dim.* in aten.addmm \(its real kernel refuses them "
                                                  r"too\) -- check that example_inputs fit the model"):
         autosac.profile(Bad(), torch.randn(4, 7), target="cpu")
+
+
+def test_planning_inside_a_users_profiler_is_refused_and_leaves_their_profile_whole():
+    """autosac reads memory off a profiler of its own, which would end the
+    user's session and empty it (a user profiling ``trainer.train()`` found
+    their profile empty).  profile and measure refuse in one line instead, the
+    model and the user's profile untouched; inside a schedule's wait step (no
+    session recording yet) planning works."""
+    torch.manual_seed(0)
+    model, idx = build_model("gpt2", device="cpu", batch=2, n_layer=2, dim=64, n_head=4, seq=64, vocab=128)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.profiler.profile(profile_memory=True) as prof:
+        torch.mm(torch.ones(8, 8), torch.ones(8, 8))
+        with pytest.raises(autosac.ProfilerBusyError, match="another profiler session is running"):
+            autosac.profile(model, idx, target="cpu")
+        with pytest.raises(autosac.ProfilerBusyError, match="plan and measure before starting your profiler"):
+            autosac.measure(model, idx, steps=0)
+        torch.mm(torch.ones(8, 8), torch.ones(8, 8))
+    assert sum(e.name == "aten::mm" for e in prof.events()) == 2  # the user's session recorded on
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with torch.profiler.profile(schedule=torch.profiler.schedule(wait=1, warmup=0, active=1)) as prof:
+        autosac.profile(model, idx, target="cpu")
+        prof.step()
+        torch.mm(torch.ones(8, 8), torch.ones(8, 8))
+        prof.step()
+    assert sum(e.name == "aten::mm" for e in prof.events()) == 1

@@ -8,6 +8,7 @@ from dataclasses import asdict, replace
 import torch
 from torch import nn
 
+from autosac.allocations import refuse_running_profiler
 from autosac.devices import DeviceSpec, resolve_target
 from autosac.fingerprint import model_fingerprint
 from autosac.inputs import input_signature, split_inputs
@@ -128,6 +129,8 @@ def profile(
             that already has a plan applied, or one that checkpoints by itself
             (transformers' ``gradient_checkpointing_enable()``).
         TypeError: ``model`` is not an ``nn.Module``.
+        ProfilerBusyError: a ``torch.profiler`` session is running (autosac's
+            own measurements would end it): profile before starting it.
 
     Example::
 
@@ -143,6 +146,7 @@ def profile(
         raise ValueError(reason)
     if has_applied_plan(model):
         raise ValueError("the model has an autosac plan applied: call autosac.unapply(model) before profiling it")
+    refuse_running_profiler()
     spec = resolve_target(target)
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from autosac.allocations import allocation_peak
 from autosac.dataflow import DataflowTracker
+from autosac.errors import ProfilerBusyError
 from autosac.opkinds import is_random_op, is_view_op, writes_input, written_tensors
 from autosac.trace.costs import CostModel, transient_bytes
 from autosac.trace.fake_kernels import run_fake
@@ -245,6 +246,8 @@ def _probe_scratch(func, args: tuple, kwargs: tuple) -> int | None:
             real_kwargs = {k: _real(v) for k, v in kwargs}
             peak, made = allocation_peak(lambda: func(*real_args, **real_kwargs))
         return max(0, peak - max(made, 0))
+    except ProfilerBusyError:
+        raise
     except Exception:  # noqa: BLE001 - no probe: keep the modelled scratch
         return None
 
@@ -267,6 +270,8 @@ def _probe_rnn_backward(args: tuple) -> tuple[int, int] | None:
             return allocation_peak(lambda: torch.ops.aten.mkldnn_rnn_layer_backward(
                 x, a, b, c, d, h0, c0, out, hy, cy, *grads, reverse, mode, hidden, layers, biases, train,
                 bidirectional, list(batch_sizes), batch_first, ws))
+    except ProfilerBusyError:
+        raise
     except Exception:  # noqa: BLE001 - no probe: keep the modelled scratch
         return None
 
