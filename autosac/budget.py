@@ -62,6 +62,9 @@ def parse_budget(budget: str | int | float, baseline_peak_bytes: int, what: str 
         if unit == "" and not number.is_integer():  # a string without a unit is bytes: whole ones
             raise ValueError(f"{what} {budget!r} has no unit (a bare number is bytes): write '{m.group(1)}GiB', "
                              f"'{m.group(1)}MB' or '{m.group(1)}%'")
+        if unit == "" and 0 < number <= 100:  # "60" meant as 60 %, not 60 bytes: no step fits in 100 bytes
+            raise ValueError(f"{what} {budget!r} has no unit and would be {int(number)} bytes: write "
+                             f"'{m.group(1)}%' of the unconstrained peak, or a size such as '{m.group(1)}GiB'")
         if unit == "%":
             if number > 100:
                 raise ValueError(f"{what} {budget!r} is over 100% of the unconstrained peak: nothing to plan")

@@ -51,6 +51,14 @@ def test_a_fractional_number_without_a_unit_asks_for_one():
         parse_budget("0.5", PEAK)
 
 
+def test_a_small_whole_number_without_a_unit_is_taken_for_a_missing_percent_sign():
+    """"60" would be 60 bytes, which no step fits in: the user meant 60 % (or GiB)."""
+    for bad in ("60", "100", "1"):
+        with pytest.raises(ValueError, match=rf"budget '{bad}' has no unit and would be {bad} bytes: write '{bad}%'"):
+            parse_budget(bad, PEAK)
+    assert parse_budget("4096", PEAK) == 4096  # a larger bare number stays bytes, as documented
+
+
 def test_float_gib_matches_sac_milp_convention():
     assert parse_budget(1.75, PEAK) == math.floor(1.75 * 2**30)
 
