@@ -381,6 +381,7 @@ class StepRecorder(TorchDispatchMode):
         self._by_storage: dict[int, int] = {}  # id(storage) -> index in rec.storages
         self._refs: dict[int, weakref.ref] = {}
         self._param_of_storage: dict[int, str] = {}  # id(storage) -> param fqn
+        self._param_numel: dict[str, int] = {}
         self._param_stack: dict[int, Stack] = {}  # id(param) -> owner module stack
         self._pending: list[tuple[weakref.ref, Stack, int]] = []
         self._seq_keys: list[int] = []
@@ -423,6 +424,7 @@ class StepRecorder(TorchDispatchMode):
     def track_param(self, fqn: str, p: torch.Tensor, owner: Stack) -> None:
         self.track(p, "param")
         self._param_of_storage[id(p.untyped_storage())] = fqn
+        self._param_numel[fqn] = p.numel()
         self._param_stack[id(p)] = owner
         self.rec.param_dtypes.setdefault(fqn, set())
 
@@ -650,6 +652,8 @@ class StepRecorder(TorchDispatchMode):
                 continue
             if name in _CASTS and outs and outs[0].dtype != a.dtype:
                 self.rec.param_dtypes[fqn].add(str(outs[0].dtype).removeprefix("torch."))
+                if a.numel() != self._param_numel[fqn]:
+                    continue  # a cast of part of a weight: saved as any activation (the applier re-makes whole ones)
                 for t in outs:
                     r = self.record_of(t)
                     if r is not None:
