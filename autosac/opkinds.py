@@ -106,3 +106,27 @@ def is_sac_ignored(func) -> bool:
 def written_tensors(func, args, kwargs) -> list[torch.Tensor]:
     """The tensors one call of ``func`` writes in place, found by schema argument name."""
     return op_kind(func).written_tensors(args, kwargs)
+
+
+def is_param_cast(inp: torch.Tensor, out: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether ``out``, a dtype cast of ``inp``, is a cast of all of ``param``:
+    of the (contiguous, trainable) parameter itself or of a view that only
+    reorders its dims (``x @ w.T`` under autocast casts ``w.T``), laid out as
+    that view.  Such a cast is never saved for backward: the applier re-makes
+    it from the parameter (:mod:`autosac.applier.casts`), and the trace counts
+    it gone -- both ask this one question.  A cast of part of a weight, of a
+    frozen weight (no autograd path back to it) or in another layout is an
+    activation like any other.
+
+    Example::
+
+        >>> w = nn.Parameter(torch.randn(4, 3))
+        >>> is_param_cast(w.T, w.T.to(torch.bfloat16), w)
+        True
+    """
+    return (
+        param.requires_grad and param.is_contiguous() and out.dtype != param.dtype
+        and inp.numel() == param.numel() and inp.dim() == param.dim()
+        and inp.storage_offset() == param.storage_offset() and sorted(inp.stride()) == sorted(param.stride())
+        and out.shape == inp.shape and out.stride() == inp.stride() and out.storage_offset() == 0
+    )

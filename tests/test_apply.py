@@ -628,9 +628,9 @@ def test_a_module_called_twice_under_one_autocast_replays_the_weight_casts_its_f
 
 
 class _TransposedWeights(nn.Module):
-    """Layers that compute ``x @ w.T`` (Falcon's, GPT-2's Conv1D) or ``x @ w.view(..)``
-    (a weight kept in another shape), under autocast: the cast is of a view of
-    the whole weight."""
+    """Layers that compute ``x @ w.T`` (Falcon's, GPT-2's Conv1D) under autocast:
+    the cast is of a view of the whole weight; and a weight kept in another
+    shape, and a slice of one, whose casts are activations."""
 
     def __init__(self, width=128, depth=4):
         super().__init__()
@@ -647,7 +647,7 @@ class _TransposedWeights(nn.Module):
         return x
 
 
-def test_casts_of_a_transposed_or_reshaped_weight_are_never_saved_either():
+def test_casts_of_a_transposed_weight_are_never_saved_either():
     """A cast of ``w.T`` is the whole weight's cast too: the trace counted it
     as never saved, but the applier's hook only knew casts of the parameter
     itself, so autograd kept the transposed copy -- a Falcon plan measured
@@ -659,9 +659,9 @@ def test_casts_of_a_transposed_or_reshaped_weight_are_never_saved_either():
     model, x = _TransposedWeights(), torch.randn(1024, 128)
     loop = dict(optimizer="none", output_held=False)
     stats = autosac.profile(model, x, target="cpu", **loop)
-    # the casts of ws[1..3].T and flat's view (the first layer's input needs no grad: its weight's cast is not
-    # saved); the cast of half of ws[0] is an activation
-    assert stats.param_cast_bytes == 4 * 128 * 128 * 2
+    # the casts of ws[1..3].T (the first layer's input needs no grad: its weight's cast is not saved); the
+    # casts of flat reshaped and of half of ws[0] are activations, saved in the trace and the real step alike
+    assert stats.param_cast_bytes == 3 * 128 * 128 * 2
     plan = autosac.solve(stats, "100%")
     ref, work = copy.deepcopy(model), autosac.apply(copy.deepcopy(model), plan)
     _assert_bitwise(ref, work, x)
@@ -669,3 +669,169 @@ def test_casts_of_a_transposed_or_reshaped_weight_are_never_saved_either():
     measured = autosac.measure(autosac.apply(copy.deepcopy(model), plan), x, steps=0, **loop).peak_bytes
     assert measured == unplanned - stats.param_cast_bytes, (measured, unplanned)
     assert measured <= plan.predicted_peak_bytes <= unplanned, (measured, plan.predicted_peak_bytes)
+
+
+# Casts the applier must leave alone (found in review): a cast in another layout than the view's, a
+# same-dtype copy of a parameter inside a flat buffer, a channels-last copy of a conv weight -- each
+# re-made from the parameter would give other values; and casts the trace must count as saved
+# because the applier cannot drop them (of a frozen weight, of an unsqueezed one).
+_LOOP = dict(optimizer="none", output_held=False)
+
+
+def _grads(model, x):
+    model.zero_grad(set_to_none=True)
+    loss = model(x).float().square().mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _plan(model, x):
+    stats = autosac.profile(model, x, target="cpu", **_LOOP)
+    return stats, autosac.solve(stats, "100%")
+
+
+class ExplicitFormat2(nn.Module):
+    def __init__(self, n=64):
+        super().__init__()
+        self.w0 = nn.Parameter(torch.randn(n, n) / n**0.5)
+        self.w = nn.Parameter(torch.randn(2 * n, n) / n**0.5)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            x = torch.relu(x @ self.w0.T)
+        wt = self.w.T.to(torch.bfloat16, memory_format=torch.contiguous_format)  # (n, 2n), contiguous
+        return x.to(torch.bfloat16) @ wt
+
+
+def test_explicit_memory_format_cast_of_w_T():
+    torch.manual_seed(0)
+    model, x = ExplicitFormat2(), torch.randn(256, 64, requires_grad=True)
+    stats, plan = _plan(model, x)
+    ref, work = copy.deepcopy(model), autosac.apply(copy.deepcopy(model), plan)
+    l0, g0 = _grads(ref, x)
+    l1, g1 = _grads(work, x)
+    assert torch.equal(l0, l1)
+    for k in g0:
+        assert torch.equal(g0[k], g1[k]), k
+
+
+class SameDtypeCopy(nn.Module):
+    """params that are views of one flat buffer (storage offset != 0), one used through a same-dtype _to_copy."""
+    def __init__(self, n=64):
+        super().__init__()
+        flat = torch.randn(3 * n * n) / n**0.5
+        self.w0 = nn.Parameter(flat[: n * n].view(n, n))
+        self.w1 = nn.Parameter(flat[n * n: 2 * n * n].view(n, n))
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            x = torch.relu(x @ self.w0.T)
+        return x.float() @ self.w1.to(copy=True)
+
+
+def test_same_dtype_copy_of_offset_param():
+    torch.manual_seed(0)
+    model, x = SameDtypeCopy(), torch.randn(256, 64, requires_grad=True)
+    assert model.w1.storage_offset() != 0
+    stats, plan = _plan(model, x)
+    torch.manual_seed(0)
+    ref = SameDtypeCopy()
+    torch.manual_seed(0)
+    work = autosac.apply(SameDtypeCopy(), plan)
+    assert work.w1.storage_offset() != 0
+    l0, g0 = _grads(ref, x)
+    l1, g1 = _grads(work, x)
+    assert torch.equal(l0, l1)
+    for k in g0:
+        assert torch.equal(g0[k], g1[k]), k
+
+
+class Frozen(nn.Module):
+    def __init__(self, n=128, depth=4):
+        super().__init__()
+        self.ws = nn.ParameterList(nn.Parameter(torch.randn(n, n) / n**0.5) for _ in range(depth))
+        self.head = nn.Parameter(torch.randn(n, n) / n**0.5)
+        for w in self.ws:
+            w.requires_grad_(False)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            x = x @ self.head.T
+            for w in self.ws:
+                x = torch.relu(x @ w.T)
+        return x
+
+
+class Unsq(nn.Module):
+    def __init__(self, n=128, depth=4):
+        super().__init__()
+        self.ws = nn.ParameterList(nn.Parameter(torch.randn(n, n) / n**0.5) for _ in range(depth))
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            for w in self.ws:
+                x = torch.relu(torch.matmul(x.unsqueeze(0), w.unsqueeze(0)).squeeze(0))
+        return x
+
+
+def _predicted_vs_measured(model_cls):
+    torch.manual_seed(0)
+    model, x = model_cls(), torch.randn(1024, 128, requires_grad=True)
+    stats, plan = _plan(model, x)
+    measured = autosac.measure(autosac.apply(copy.deepcopy(model), plan), x, steps=0, **_LOOP).peak_bytes
+    assert measured <= plan.predicted_peak_bytes, (measured, plan.predicted_peak_bytes)
+
+
+class ConvCL(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w0 = nn.Parameter(torch.randn(8, 8) / 8**0.5)
+        self.conv = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            x = torch.relu(x.permute(0, 2, 3, 1) @ self.w0.T).permute(0, 3, 1, 2).float()
+        return torch.nn.functional.conv2d(x, self.conv.weight.to(memory_format=torch.channels_last), padding=1)
+
+
+def test_channels_last_weight():
+    torch.manual_seed(0)
+    model, x = ConvCL(), torch.randn(2, 8, 16, 16, requires_grad=True)
+    stats, plan = _plan(model, x)
+    ref, work = copy.deepcopy(model), autosac.apply(copy.deepcopy(model), plan)
+    l0, g0 = _grads(ref, x)
+    l1, g1 = _grads(work, x)
+    assert torch.equal(l0, l1)
+    for k in g0:
+        assert torch.equal(g0[k], g1[k]), k
+
+
+class UnsqTail(nn.Module):
+    """Unsq's layers, then a tail whose backward is the step's peak."""
+    def __init__(self, n=128, depth=4):
+        super().__init__()
+        self.ws = nn.ParameterList(nn.Parameter(torch.randn(n, n) / n**0.5) for _ in range(depth))
+        self.scale = nn.Parameter(torch.randn(1, 1, 64))
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            for w in self.ws:
+                x = torch.relu(torch.matmul(x.unsqueeze(0), w.unsqueeze(0)).squeeze(0))
+        return (x.float()[:, :, None] * self.scale).sum(-1)
+
+
+def test_unsqueeze_tail():
+    _predicted_vs_measured(UnsqTail)
+
+
+class FrozenTail(Frozen):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(1, 1, 64))
+
+    def forward(self, x):
+        return (super().forward(x).float()[:, :, None] * self.scale).sum(-1)
+
+
+def test_frozen_tail():
+    _predicted_vs_measured(FrozenTail)

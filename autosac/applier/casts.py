@@ -11,22 +11,28 @@ from __future__ import annotations
 
 import torch
 
+from autosac.opkinds import is_param_cast
+
 _CAST_NODES = {"ToCopyBackward0"}
-# views that keep every element of what they view, reordered or reshaped: a cast of
-# one of a parameter (``x @ w.T`` under autocast casts ``w.T``) is still the whole
-# parameter's cast, re-made from it.  The trace counts the same casts as the
-# parameter's (a cast whose input has all of a parameter's elements).
-_WHOLE_VIEW_NODES = {"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "UnsafeViewBackward0",
-                     "AliasBackward0"}
+# views that only reorder a parameter's dims, and how to make them again
+_REORDER_VIEWS = {
+    "TBackward0": lambda v, node: v.t(),
+    "TransposeBackward0": lambda v, node: v.transpose(node._saved_dim0, node._saved_dim1),
+    "PermuteBackward0": lambda v, node: v.permute(node._saved_dims),
+    "AliasBackward0": lambda v, node: v,
+}
 
 
 def _param_behind(t: torch.Tensor) -> torch.nn.Parameter | None:
-    """The parameter ``t`` (or the base it views) is a plain dtype cast of --
-    of the parameter itself or of a view of all its elements -- if any."""
+    """The parameter ``t`` (or the base it views) is a cast of, where
+    :func:`autosac.opkinds.is_param_cast` says the cast is the parameter's:
+    autograd's path from the cast runs through views that only reorder dims
+    to the parameter, and the cast kept that view's layout."""
     base = t._base if t._is_view() else t
     node = base.grad_fn
     if node is None or type(node).__name__ not in _CAST_NODES:
         return None
+    views = []
     while True:
         nxt = node.next_functions
         if len(nxt) != 1 or nxt[0][0] is None:
@@ -34,14 +40,16 @@ def _param_behind(t: torch.Tensor) -> torch.nn.Parameter | None:
         node = nxt[0][0]
         if type(node).__name__ == "AccumulateGrad":
             break
-        if type(node).__name__ not in _WHOLE_VIEW_NODES:
+        if type(node).__name__ not in _REORDER_VIEWS:
             return None
+        views.append(node)
     var = node.variable
-    if not isinstance(var, torch.nn.Parameter) or var.numel() != base.numel() or var.device != base.device:
+    if not isinstance(var, torch.nn.Parameter) or var.device != base.device:
         return None
-    if base.untyped_storage().nbytes() != base.numel() * base.element_size():
-        return None  # the cast's storage is not exactly its elements: not laid out as the parameter's
-    return var
+    view = var.detach()
+    for n in reversed(views):
+        view = _REORDER_VIEWS[type(n).__name__](view, n)
+    return var if is_param_cast(view, base, var) else None
 
 
 def pack_cast(t: torch.Tensor):
@@ -55,10 +63,10 @@ def pack_cast(t: torch.Tensor):
 
 
 def unpack_cast(packed):
-    """The cast re-made from its parameter.  The forward's cast of a view of
-    all the parameter's elements kept that view's strides (``to`` preserves a
-    dense layout), so its storage holds the elements in the parameter's own
-    order: the parameter's cast, viewed with the saved tensor's geometry, is it."""
+    """The cast re-made from its parameter.  The forward's cast had the layout
+    of a view reordering the contiguous parameter's dims (checked when packed),
+    so its storage holds the elements in the parameter's own order: the
+    parameter's cast, viewed with the saved tensor's geometry, is it."""
     if isinstance(packed, tuple) and packed and packed[0] == "autosac-cast":
         _, param, dtype, size, stride, offset = packed
         with torch.no_grad():

@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from autosac.allocations import allocation_peak
 from autosac.dataflow import DataflowTracker
 from autosac.errors import ProfilerBusyError
-from autosac.opkinds import is_random_op, is_view_op, writes_input, written_tensors
+from autosac.opkinds import is_param_cast, is_random_op, is_view_op, writes_input, written_tensors
 from autosac.trace.costs import CostModel, transient_bytes
 from autosac.trace.fake_kernels import run_fake
 from autosac.trace.routing import ROUTED_NUMEL, RoutingTrace, with_long_indices
@@ -381,7 +381,7 @@ class StepRecorder(TorchDispatchMode):
         self._by_storage: dict[int, int] = {}  # id(storage) -> index in rec.storages
         self._refs: dict[int, weakref.ref] = {}
         self._param_of_storage: dict[int, str] = {}  # id(storage) -> param fqn
-        self._param_numel: dict[str, int] = {}
+        self._param_of: dict[str, torch.Tensor] = {}
         self._param_stack: dict[int, Stack] = {}  # id(param) -> owner module stack
         self._pending: list[tuple[weakref.ref, Stack, int]] = []
         self._seq_keys: list[int] = []
@@ -424,7 +424,7 @@ class StepRecorder(TorchDispatchMode):
     def track_param(self, fqn: str, p: torch.Tensor, owner: Stack) -> None:
         self.track(p, "param")
         self._param_of_storage[id(p.untyped_storage())] = fqn
-        self._param_numel[fqn] = p.numel()
+        self._param_of[fqn] = p
         self._param_stack[id(p)] = owner
         self.rec.param_dtypes.setdefault(fqn, set())
 
@@ -652,8 +652,8 @@ class StepRecorder(TorchDispatchMode):
                 continue
             if name in _CASTS and outs and outs[0].dtype != a.dtype:
                 self.rec.param_dtypes[fqn].add(str(outs[0].dtype).removeprefix("torch."))
-                if a.numel() != self._param_numel[fqn]:
-                    continue  # a cast of part of a weight: saved as any activation (the applier re-makes whole ones)
+                if not is_param_cast(a, outs[0], self._param_of[fqn]):
+                    continue  # part of a weight, a frozen one, another layout: saved as any activation
                 for t in outs:
                     r = self.record_of(t)
                     if r is not None:
