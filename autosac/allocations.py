@@ -49,9 +49,13 @@ def _native_stderr_quiet():
 _COLLECTIVE = "c10d::"  # torch.distributed's in-place collectives (the ops behind dist.all_gather_into_tensor & co.)
 
 
-def _memory_with_unseen_frees(roots) -> list[tuple[int, int]]:
+def _memory_with_unseen_frees(roots, since: int | None = None) -> list[tuple[int, int]]:
     """``(time, bytes)`` of the allocator events in the profiler's event tree
-    ``roots``, sorted, with the frees the profiler did not see added back.
+    ``roots``, sorted, with the frees the profiler did not see added back --
+    but not for memory allocated before ``since`` (where a count starts, see
+    :meth:`AllocationCounter.stop`): when such an unseen free happened is not
+    known, and placing it after ``since`` would lower the level counted from
+    there below the truth.
 
     The profiler records an allocation or a free only on a thread that carries
     its thread-local state.  A collective's backend thread does not once it has
@@ -83,17 +87,18 @@ def _memory_with_unseen_frees(roots) -> list[tuple[int, int]]:
             allocations.append((event.start_time_ns, fields.ptr, fields.alloc_size, collective_end))
         todo.extend((child, collective_end) for child in event.children)
     allocations.sort(key=lambda a: (a[0], a[2]))
-    memory, alive = [], {}  # alive: ptr -> (bytes, end of the collective that made it)
+    memory, alive = [], {}  # alive: ptr -> (bytes, end of the collective that made it, when made)
     for at, ptr, nbytes, collective_end in allocations:
         if nbytes > 0:
             unseen = alive.pop(ptr, None)  # its address handed out again: freed, unseen
-            if unseen is not None:
+            if unseen is not None and (since is None or unseen[2] >= since):
                 memory.append((at if unseen[1] is None else min(unseen[1], at), -unseen[0]))
-            alive[ptr] = (nbytes, collective_end)
+            alive[ptr] = (nbytes, collective_end, at)
         else:
             alive.pop(ptr, None)
         memory.append((at, nbytes))
-    memory += [(end, -nbytes) for nbytes, end in alive.values() if end is not None]
+    memory += [(end, -nbytes) for nbytes, end, made in alive.values()
+               if end is not None and (since is None or made >= since)]
     return sorted(memory)
 
 
@@ -147,13 +152,13 @@ class AllocationCounter:
         with _native_stderr_quiet():
             profiler.stop()
         events = profiler.profiler.kineto_results.events()
-        if any(e.name().startswith(_COLLECTIVE) for e in events):
-            memory = _memory_with_unseen_frees(profiler.profiler.kineto_results.experimental_event_tree())
-        else:
-            memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
         first = min((e.start_ns() for e in events if after is not None and e.name() == after), default=None)
         if after is not None and first is None:
             raise RuntimeError(f"allocation_peak: fn never entered record_function({after!r})")
+        if any(e.name().startswith(_COLLECTIVE) for e in events):
+            memory = _memory_with_unseen_frees(profiler.profiler.kineto_results.experimental_event_tree(), first)
+        else:
+            memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
         level = peak = 0
         for at, nbytes in memory:
             if first is not None and at < first:
