@@ -14,8 +14,10 @@ layer's keys and values -- alive until that layer's backward.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from contextlib import contextmanager
+from functools import cache
 
 import torch
 from torch import nn
@@ -52,9 +54,19 @@ def training_kwargs(model: nn.Module, kwargs: dict) -> dict | None:
     """
     if not model.training or not _is_transformers_model(model):
         return None
-    if kwargs.get("use_cache", True) is False or not builds_cache(model):
+    if kwargs.get("use_cache", True) is False or not builds_cache(model) or not _takes_use_cache(type(model)):
         return None
     return {**kwargs, "use_cache": False}
+
+
+@cache
+def _takes_use_cache(kind: type) -> bool:
+    """Whether ``kind.forward`` accepts ``use_cache`` (by name or through ``**kwargs``)."""
+    try:
+        params = inspect.signature(kind.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "use_cache" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def cache_requested(model: nn.Module, kwargs: dict) -> bool:

@@ -10,9 +10,12 @@ allocator events) within the budget and within 3 % of the prediction.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from suite import check_model, seeded
+from torch import nn
 
 import autosac
 
@@ -111,3 +114,30 @@ def test_timm_mobilenet_with_inplace_activations(timm):
 
     rows = check_model("timm-mobilenetv3", seeded(build))
     assert any(r.bitwise for r in rows)
+
+
+def test_a_generating_model_whose_forward_takes_no_use_cache_is_not_given_one():
+    """autosac passes ``use_cache=False`` to a transformers model that can build a
+    cache in training -- only where its forward accepts the flag (by name or
+    ``**kwargs``); a forward without it raised TypeError in the trace."""
+    import transformers
+
+    class NoCacheArg(transformers.PreTrainedModel):
+        config_class = transformers.PretrainedConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+            self.post_init()
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    torch.manual_seed(0)
+    model = NoCacheArg(transformers.PretrainedConfig(is_decoder=True)).train()
+    plan = autosac.solve(model, "least", example_inputs=torch.randn(64, 8), target="cpu")
+    ref, work = copy.deepcopy(model), autosac.apply(copy.deepcopy(model), plan)
+    x = torch.randn(64, 8)
+    ref(x).sum().backward()
+    work(x).sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(ref.parameters(), work.parameters()))
