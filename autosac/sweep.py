@@ -165,7 +165,8 @@ def measure_sweep(result: Sweep, model, example_inputs, *, steps: int = 2, round
 
     Step times on a busy machine drift by more than the differences between
     plans, so the variants run in ``rounds`` interleaved rounds (the
-    unmodified model, each plan, torch's checkpoint, then again): a variant's
+    unmodified model, each plan, torch's checkpoint, then again, each round
+    starting one further along): a variant's
     overhead is the median over rounds of its step time over the unmodified
     model's in the same round.  Its peak is the most any round measured.
 
@@ -211,13 +212,18 @@ def measure_sweep(result: Sweep, model, example_inputs, *, steps: int = 2, round
         variants.append((result.torch_checkpoint, lambda: _torch_checkpointed(model, result.blocks)))
     peaks, ratios = {id(p): 0 for p, _ in variants}, {id(p): [] for p, _ in variants}
     base_peak = 0
-    for _ in range(rounds):
-        base = measure(copy.deepcopy(model), example_inputs, **loop)
+    runs = [(None, lambda: copy.deepcopy(model)), *variants]  # None: the unmodified model
+    for r in range(rounds):
+        got = {}
+        # one copy alive at a time (a large model's copies need not fit together); the order turns
+        # each round, so a machine drifting through a round does not favour whatever runs first
+        for point, build in runs[r % len(runs):] + runs[: r % len(runs)]:
+            got[id(point)] = measure(build(), example_inputs, **loop)
+        base = got[id(None)]
         base_peak = max(base_peak, base.peak_bytes)
-        for point, build in variants:  # one copy alive at a time: a large model's copies need not fit together
-            got = measure(build(), example_inputs, **loop)
-            peaks[id(point)] = max(peaks[id(point)], got.peak_bytes)
-            ratios[id(point)].append(got.step_ms / base.step_ms)
+        for point, _ in variants:
+            peaks[id(point)] = max(peaks[id(point)], got[id(point)].peak_bytes)
+            ratios[id(point)].append(got[id(point)].step_ms / base.step_ms)
     result.measured_baseline_peak_bytes = base_peak
     for point, _ in variants:
         point.measured_peak_bytes = peaks[id(point)]
