@@ -278,3 +278,22 @@ def test_the_package_imports_schedule_as_the_readme_writes_it():
     code = "import autosac; print(callable(autosac.schedule.memory_aware_backend))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr
+
+
+@pytest.mark.parametrize("tracing_mode", ["real", "fake", "symbolic"])
+def test_a_make_fx_graph_orders_from_its_own_example_values(tracing_mode):
+    """docs/schedule.md's use on a make_fx graph, without example inputs: the
+    placeholders' meta["val"] are used.  Under torch 2.13 tracing_mode="real"
+    gives each its own fake mode (this raised "fake mode ... doesn't match
+    mode"); "symbolic" gave peaks as SymInts and guarded the graph's ShapeEnv."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    inputs = seed_inputs()
+    t0s, a = inputs[:-1], inputs[-1]
+    gm = make_fx(memory_peak_inefficient_func, tracing_mode=tracing_mode)(t0s, a)
+    better = schedule.memory_aware_order(gm)
+    report = better.meta["memory_order"]
+    assert type(report.peak_before) is int and type(report.peak_after) is int and type(report.exact) is bool
+    assert report.peak_before == int(2.75 * MiB) and report.peak_after == int(0.75 * MiB)
+    assert schedule.peak_bytes(gm) == report.peak_before
+    assert torch.equal(better(t0s, a), gm(t0s, a))

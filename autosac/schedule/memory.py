@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -153,11 +154,8 @@ def graph_memory(gm: fx.GraphModule, *example_inputs) -> GraphMemory:
     """
     if not example_inputs:
         example_inputs = tuple(_example_of(n) for n in gm.graph.nodes if n.op == "placeholder")
-    from torch._guards import detect_fake_mode
-
-    mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
+    mode, fake = _fake_inputs(example_inputs)
     with torch.random.fork_rng(devices=[]), mode:  # a seed set in the graph does not reach the caller's RNG
-        fake = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
         rec = _Recorder(gm, mode)
         rec.run(*fake)
     mem = GraphMemory(list(gm.graph.nodes))
@@ -198,6 +196,61 @@ def _example_of(node: fx.Node):
     if val is None:
         raise ValueError(f"the graph's input {node.name!r} carries no example value (meta['val']): pass example inputs")
     return val
+
+
+def _fake_inputs(values: tuple) -> tuple[FakeTensorMode, list]:
+    """``values`` as fake tensors of one FakeTensorMode, with concrete sizes.
+
+    Fake values of one mode (the caller's or the ambient one) keep it, and so
+    their aliasing.  Values of several modes -- ``make_fx(tracing_mode="real")``
+    gives each placeholder's ``meta["val"]`` a mode of its own -- are copied
+    into a new one.  Symbolic sizes (``tracing_mode="symbolic"``, dynamic
+    shapes) are taken at their hints: the peak is a number of bytes, and the
+    caller's ShapeEnv gets no guards from comparing peaks.
+    """
+    from torch._guards import detect_fake_mode
+
+    if any(_symbolic(v) for v in values):
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
+            bases: dict[StorageWeakRef, torch.Tensor] = {}
+            return mode, [_at_hints(v, bases) if isinstance(v, torch.Tensor) else _hint(v) for v in values]
+    modes = {id(m): m for m in (detect_fake_mode(), *(_mode_of(v) for v in values)) if m is not None}
+    mode = next(iter(modes.values())) if len(modes) == 1 else FakeTensorMode(allow_non_fake_inputs=True)
+    return mode, [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in values]
+
+
+def _mode_of(value) -> FakeTensorMode | None:
+    return value.fake_mode if isinstance(value, FakeTensor) else None
+
+
+def _symbolic(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        sizes = [*value.shape, value.storage_offset(), *(value.stride() if value.layout == torch.strided else ())]
+        return any(isinstance(s, torch.SymInt) for s in sizes)
+    return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def _hint(value):
+    """A symbolic number's value in the trace (no guard is added); others as they are."""
+    if isinstance(value, torch.SymInt):
+        return optimization_hint(value)
+    if isinstance(value, (torch.SymFloat, torch.SymBool)):
+        return value.node.hint
+    return value
+
+
+def _at_hints(t: torch.Tensor, bases: dict) -> torch.Tensor:
+    """A fake tensor like ``t`` at its hinted sizes, sharing a storage with
+    the others made from ``t``'s storage (views of one input stay views)."""
+    storage = t.untyped_storage()
+    key = StorageWeakRef(storage)
+    if key not in bases:
+        bases[key] = torch.empty(_hint(storage.nbytes()), dtype=torch.uint8, device=t.device)
+    out = torch.empty(0, dtype=t.dtype, device=t.device)
+    out.set_(bases[key].untyped_storage(), _hint(t.storage_offset()), [_hint(s) for s in t.shape],
+             [_hint(s) for s in t.stride()])
+    return out.requires_grad_(t.requires_grad)
 
 
 def replay_peak(mem: GraphMemory, order: list[int], free_inputs: bool = False) -> int:
