@@ -26,7 +26,7 @@ def solve(
     autocast=None,
     shard_units=None,
     output_held: bool = True,
-    solver: str = "cbc",
+    solver: str = "auto",
     time_limit_s: float = 60,
     reserve: str | int | float = 0,
     max_choices: int = 16,
@@ -49,7 +49,8 @@ def solve(
         budget: ``"8GiB"``, ``"500MB"``, ``"60%"`` of the unconstrained peak,
             ``"least"`` (the least peak any plan reaches, with the least recompute
             among the plans that reach it), an ``int`` of bytes or a ``float`` of GiB.
-        solver: ``"cbc"`` (PuLP) or ``"highs"`` (SciPy); both reach the same optimum.
+        solver: ``"auto"`` (CBC where PuLP has one, else HiGHS with a note), ``"cbc"`` (PuLP)
+            or ``"highs"`` (SciPy); both reach the same optimum.
         time_limit_s: on hitting it the best feasible plan found is returned,
             flagged ``plan.solver["status"] == "time_limit"``.
         reserve: headroom kept free for allocator overheads, same forms as ``budget``

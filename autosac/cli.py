@@ -53,7 +53,7 @@ def _model_options(p: argparse.ArgumentParser) -> None:
                    help="mixture-of-experts models: the routing to plan for: balanced, worst, or a capacity factor "
                         "such as 1.25 (the busiest experts get 1.25x the balanced load); default: balanced where "
                         "the forward reads the routing's values, with a warning")
-    p.add_argument("--solver", default="cbc", choices=["cbc", "highs"])
+    p.add_argument("--solver", default="auto", choices=["auto", "cbc", "highs"])
     p.add_argument("--time-limit", type=_positive_float, default=60.0, help="seconds for the solver")
     p.add_argument("--quiet", action="store_true", help="no progress lines (they are shown only on a terminal)")
 

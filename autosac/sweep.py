@@ -98,7 +98,7 @@ def sweep(
     stats: ModelStats,
     budgets: list,
     *,
-    solver: str = "cbc",
+    solver: str = "auto",
     time_limit_s: float = 60,
     reserve: str | int | float = 0,
     on_point: Callable[[int, int], None] | None = None,

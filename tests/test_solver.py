@@ -327,3 +327,57 @@ def test_an_infeasible_budget_below_the_optimizer_state_names_the_remedy():
     # sharded over enough ranks, the same budget is a matter of checkpointing
     sharded = autosac.profile(model, idx, optimizer="adamw", world_size=64)
     assert autosac.solve(sharded, floor // 2).predicted_peak_bytes <= floor // 2
+
+
+def _without_cbc(monkeypatch, pulp4: bool):
+    """PuLP as a fresh install on Python >= 3.12 has it: PuLP 4 bundles no CBC
+    (no PULP_CBC_CMD; COIN_CMD finds no binary) and has a new result API."""
+    import pulp
+
+    monkeypatch.delattr(pulp, "PULP_CBC_CMD")
+    monkeypatch.setattr(pulp.COIN_CMD, "available", lambda self: False)
+    if pulp4:
+        monkeypatch.delattr(pulp, "LpSolutionOptimal")
+        monkeypatch.setattr(pulp, "__version__", "4.2.0")
+
+
+@pytest.fixture(scope="module")
+def shared_mask():
+    """A model the chain DP does not solve alone (a mask every checkpoint keeps): the MILP runs."""
+    torch.manual_seed(0)
+    stats = autosac.profile(SharedMask(), torch.randn(256, 32), target="a100", optimizer="none")
+    problem = build_problem(stats)
+    low, _ = least_peak(problem, solver="highs")
+    budget = int(low + 0.3 * (int(problem.live.max()) - low))
+    cbc = autosac.solve(stats, budget, solver="cbc")
+    assert cbc.solver["backend"] == "cbc" and cbc.solver["status"] == "optimal"
+    return stats, budget, cbc
+
+
+@pytest.mark.parametrize("pulp4", [False, True])
+def test_without_cbc_the_default_solver_reaches_the_same_optimum_with_highs(shared_mask, monkeypatch, pulp4):
+    """Issue 30 item 11: every MILP solve raised AttributeError: module 'pulp'
+    has no attribute 'PULP_CBC_CMD'."""
+    stats, budget, cbc = shared_mask
+    _without_cbc(monkeypatch, pulp4)
+    with pytest.warns(UserWarning, match=r"HiGHS \(SciPy\) in place of CBC.*pip install 'pulp>=3.3.1,<4'"
+                      if pulp4 else r"HiGHS \(SciPy\) in place of CBC.*no CBC binary"):
+        plan = autosac.solve(stats, budget)
+    assert plan.solver["backend"] == "highs" and plan.solver["status"] == "optimal"
+    assert plan.predicted_peak_bytes <= budget
+    assert math.isclose(plan.recompute_ms, cbc.recompute_ms, rel_tol=1e-6, abs_tol=1e-9)
+    with pytest.warns(UserWarning, match="in place of CBC"):  # the least-peak MILP too
+        assert autosac.solve(stats, "least").solver["backend"] == "highs"
+
+
+def test_an_explicit_cbc_without_cbc_is_one_line_naming_the_fix(shared_mask, monkeypatch):
+    from autosac.errors import MissingExtraError
+
+    stats, budget, _ = shared_mask
+    _without_cbc(monkeypatch, pulp4=True)
+    with pytest.raises(MissingExtraError, match=r"solver='cbc' cannot run: .*PuLP 4.2.0.*pip install 'pulp>=3.3.1,<4'"
+                       r".*solver='highs'") as err:
+        autosac.solve(stats, budget, solver="cbc")
+    assert "\n" not in str(err.value)
+    with pytest.raises(MissingExtraError, match="solver='cbc'"):  # before profiling: this input cannot be traced
+        autosac.solve(nn.Linear(4, 4), "60%", torch.randn(2, 5), solver="cbc")

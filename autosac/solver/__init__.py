@@ -10,7 +10,7 @@ from autosac.dataflow import local_calls
 from autosac.errors import InfeasibleBudgetError, SolveTimeoutError
 from autosac.opkinds import SAC_IGNORED_NAMES
 from autosac.plan import Decision, Plan, RecomputeOp
-from autosac.solver.backends import BACKENDS, Solution
+from autosac.solver.backends import BACKENDS, SOLVERS, Solution, check_cbc, resolve_solver
 from autosac.solver.chain import NotAChain, solve_chain
 from autosac.solver.milp import build_milp, decode, encode, milp_needs, with_objective_bound
 from autosac.solver.problem import Problem, build_problem
@@ -26,7 +26,7 @@ def solve_budget(
     stats: ModelStats,
     budget: str | int | float,
     *,
-    solver: str = "cbc",
+    solver: str = "auto",
     time_limit_s: float = 60,
     reserve: str | int | float = 0,
     max_choices: int = 16,
@@ -52,9 +52,12 @@ def solve_budget(
 
 
 def check_solve_options(solver: str, time_limit_s) -> None:
-    """Raises ValueError for an unknown solver or a time limit that is not a positive number."""
-    if solver not in BACKENDS:
-        raise ValueError(f"unknown solver {solver!r}: use one of {', '.join(BACKENDS)}")
+    """Raises ValueError for an unknown solver or a time limit that is not a positive number,
+    MissingExtraError for solver='cbc' where PuLP has no CBC (before a profile that may take a while)."""
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown solver {solver!r}: use one of {', '.join(SOLVERS)}")
+    if solver == "cbc":
+        check_cbc()
     if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0:
         raise ValueError(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
 
@@ -87,7 +90,7 @@ def usable_budget(budget: str | int | float, reserve: str | int | float, baselin
 
 
 def solve_stats(
-    stats: ModelStats, budget_bytes: int, *, solver: str = "cbc", time_limit_s: float = 60,
+    stats: ModelStats, budget_bytes: int, *, solver: str = "auto", time_limit_s: float = 60,
     max_choices: int = 16, problem: Problem | None = None, presolve: bool = True,
 ) -> Plan:
     """:func:`solve` for a budget already in bytes (``problem`` may be reused across budgets)."""
@@ -106,7 +109,7 @@ def solve_stats(
     if milp is not None and bound is not None:
         milp = with_objective_bound(milp, bound * (1 - 1e-9) - 1e-9)
         start = encode(milp, chain.choice) if chain is not None else None
-    sol = BACKENDS[solver](milp, time_limit_s, start) if milp is not None else Solution(
+    sol = BACKENDS[resolve_solver(solver)](milp, time_limit_s, start) if milp is not None else Solution(
         None, "infeasible", math.inf, math.nan, math.inf, 0.0, solver)
     if sol.x is None and chain is not None and problem.evaluate(chain.choice) <= budget_bytes:
         # The MILP ran out of time before confirming it: the chain optimum stands, flagged.
@@ -202,7 +205,7 @@ def plan_from_decisions(
     return _make_plan(stats, problem, choice, budget, info)
 
 
-def least_peak_bytes(problem: Problem, *, solver: str = "cbc", time_limit_s: float = 60) -> int:
+def least_peak_bytes(problem: Problem, *, solver: str = "auto", time_limit_s: float = 60) -> int:
     """The least peak any plan reaches (the budget ``"least"`` means).
 
     Raises:
@@ -217,7 +220,7 @@ def least_peak_bytes(problem: Problem, *, solver: str = "cbc", time_limit_s: flo
 
 
 def least_peak(
-    problem: Problem, *, solver: str = "cbc", time_limit_s: float = 60
+    problem: Problem, *, solver: str = "auto", time_limit_s: float = 60
 ) -> tuple[int, dict[int, int]] | None:
     """The least peak any plan reaches and a plan that reaches it (candidate ->
     choice), or ``None`` when the solver found no plan in time.
@@ -227,7 +230,7 @@ def least_peak(
         >>> peak, choice = least_peak(build_problem(stats))
     """
     milp = build_milp(problem, None)
-    sol = BACKENDS[solver](milp, time_limit_s)
+    sol = BACKENDS[resolve_solver(solver)](milp, time_limit_s)
     if sol.x is None:
         return None
     choice = decode(milp, sol.x)

@@ -1,4 +1,10 @@
-"""Two MILP backends over the same matrix: CBC through PuLP, and HiGHS through SciPy."""
+"""Two MILP backends over the same matrix: CBC through PuLP, and HiGHS through SciPy.
+
+``solver="auto"`` (the default) is CBC where PuLP has one, else HiGHS with a
+note: PuLP 4 (what pip picks on Python >= 3.12 without autosac's ``pulp<4``
+bound) bundles no CBC and changed the API used here.  An explicit
+``solver="cbc"`` without CBC is one line naming the fix.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +13,12 @@ import os
 import re
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
+from autosac.errors import MissingExtraError
 from autosac.solver.milp import MatrixMILP
 
 GAP = 1e-4
@@ -58,6 +66,7 @@ def solve_highs(m: MatrixMILP, time_limit_s: float, start: np.ndarray | None = N
 def solve_cbc(m: MatrixMILP, time_limit_s: float, start: np.ndarray | None = None) -> Solution:
     import pulp
 
+    check_cbc()
     t0 = time.perf_counter()
     prob = pulp.LpProblem("autosac", pulp.LpMinimize)
     xs = []
@@ -102,18 +111,62 @@ def solve_cbc(m: MatrixMILP, time_limit_s: float, start: np.ndarray | None = Non
 
 
 def _cbc_command(time_limit_s: float, log: str, warm: bool = False):
-    """A system CBC if one is installed, else the binary PuLP bundles."""
-    import warnings
-
+    """A system CBC if one is installed, else the binary PuLP 3 bundles; None if neither is there."""
     import pulp
 
     opts = dict(msg=False, timeLimit=time_limit_s, gapRel=GAP, threads=1, logPath=log, warmStart=warm)
     coin = pulp.COIN_CMD(**opts)
     if coin.available():
         return coin
+    bundled = getattr(pulp, "PULP_CBC_CMD", None)  # gone in PuLP 4
+    if bundled is None:
+        return None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # PuLP 3.x flags its bundled CBC for 4.0
-        return pulp.PULP_CBC_CMD(**opts)
+        cmd = bundled(**opts)
+    return cmd if cmd.available() else None
+
+
+def cbc_missing() -> tuple[str, str] | None:
+    """Why CBC through PuLP cannot run here and how to get it, or None when it can."""
+    try:
+        import pulp
+    except ImportError:
+        return "PuLP is not installed", _PIP
+    version = getattr(pulp, "__version__", "?")
+    if not hasattr(pulp, "LpSolutionOptimal") or not hasattr(pulp.LpProblem, "add_variable"):
+        return f"autosac runs CBC through PuLP 3.3.1 up to 4, and PuLP {version} is installed", _PIP
+    if _cbc_command(1.0, os.devnull) is None:
+        return (f"PuLP {version} finds no CBC binary (none bundled for this platform, none on PATH)",
+                "put a cbc binary on PATH (e.g. apt install coinor-cbc)")
+    return None
+
+
+_PIP = "pip install 'pulp>=3.3.1,<4' (PuLP 3 bundles CBC)"
+
+
+def check_cbc() -> None:
+    """Raises MissingExtraError (one line naming the fix) where solver='cbc' cannot run."""
+    missing = cbc_missing()
+    if missing is not None:
+        why, fix = missing
+        raise MissingExtraError(f"solver='cbc' cannot run: {why}: {fix}, or pass solver='highs' (the same optimum)")
+
+
+def resolve_solver(solver: str) -> str:
+    """The backend that runs for ``solver``: ``"auto"`` is CBC where PuLP has
+    one, else HiGHS (with a note); an explicit ``"cbc"`` must have CBC."""
+    if solver == "cbc":
+        check_cbc()
+    if solver != "auto":
+        return solver
+    missing = cbc_missing()
+    if missing is None:
+        return "cbc"
+    why, fix = missing
+    warnings.warn(f"autosac: solving with HiGHS (SciPy) in place of CBC: {why}; for CBC, {fix}",
+                  UserWarning, stacklevel=2)
+    return "highs"
 
 
 def _cbc_bound(log: str, obj: float) -> float:
@@ -125,3 +178,4 @@ def _cbc_bound(log: str, obj: float) -> float:
 
 
 BACKENDS = {"cbc": solve_cbc, "highs": solve_highs}
+SOLVERS = ("auto", *BACKENDS)  # what solver= accepts

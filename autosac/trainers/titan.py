@@ -52,8 +52,8 @@ class Autosac:
     """The device the step is timed for (autosac's device table: h100, h200, a100, l4, cpu)."""
     plan: str = ""
     """A plan file made beforehand to apply instead of planning here."""
-    solver: str = "cbc"
-    """The MILP backend: cbc or highs."""
+    solver: str = "auto"
+    """The MILP backend: auto (CBC where PuLP has one, else HiGHS), cbc or highs."""
     reserve: str = "0"
     """Headroom kept free for allocator overheads ("2GiB")."""
 
