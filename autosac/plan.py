@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from autosac.errors import StatsFormatError
+from autosac.schema import build, check, check_common, parse, short
 
 PLAN_FORMAT = 5
 
@@ -130,46 +131,52 @@ class Plan:
         """Parse a plan; never executes code.
 
         Raises:
-            StatsFormatError: not a plan of this format, or fields missing/mistyped.
+            StatsFormatError: not a plan of this format, or a field missing, mistyped
+                or not finite, or inconsistent (one line naming it; see :meth:`validate`).
         """
-        try:
-            data = json.loads(text)
-        except (json.JSONDecodeError, TypeError) as e:
-            raise StatsFormatError(f"not a plan JSON document: {e}") from None
+        data = parse(text, "a plan")
         if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
             found = data.get("format") if isinstance(data, dict) else None
             raise StatsFormatError(f"plan format {found!r} is not {PLAN_FORMAT}: re-plan with this autosac version")
+        names = {f.name for f in fields(cls)}
         try:
-            details = {
-                k: Decision(**{**v, "ops": [RecomputeOp(**o) for o in v["ops"]]}) for k, v in data["details"].items()
-            }
-            names = {f.name for f in fields(cls)}
-            plan = cls(**{**{k: v for k, v in data.items() if k in names}, "details": details})
-        except (KeyError, TypeError, AttributeError) as e:
+            plan = build(cls, {k: v for k, v in data.items() if k in names}, "", strict=False)
+        except StatsFormatError as e:
             raise StatsFormatError(f"malformed plan: {e}") from None
         plan.validate()
         return plan
 
     def validate(self) -> None:
-        """Check internal consistency (hand edits included).
+        """Check every field's type and the plan's consistency (hand edits included).
 
         Raises:
-            StatsFormatError: a ratio outside (0, 1], or decisions and details disagreeing.
+            StatsFormatError: a field of the wrong type (or not finite), a ratio
+                outside (0, 1], or decisions and details disagreeing.
         """
+        try:
+            check(self)
+            check_common(self)
+            self._check_decisions()
+        except StatsFormatError as e:
+            raise StatsFormatError(f"malformed plan: {e}") from None
+
+    def _check_decisions(self) -> None:
+        for name in ("budget_bytes", "baseline_peak_bytes", "predicted_peak_bytes"):
+            if getattr(self, name) < 0:
+                raise StatsFormatError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if set(self.decisions) != set(self.details):
-            raise StatsFormatError("malformed plan: decisions and details name different modules")
+            raise StatsFormatError("decisions and details name different modules")
         for fqn, ratio in self.decisions.items():
-            if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 < ratio <= 1:
-                raise StatsFormatError(f"malformed plan: discard ratio {ratio!r} of {fqn!r} is not in (0, 1]")
-            if not isinstance(fqn, str):
-                raise StatsFormatError(f"malformed plan: module name {fqn!r} is not a string")
+            if not 0 < ratio <= 1:
+                raise StatsFormatError(f"discard ratio {ratio!r} of {fqn!r} is not in (0, 1]")
+            _check_calls(self.details[fqn], f"details[{fqn!r}]")
         names = set(self.decisions)
         for name in names:
             parts = name.split(".") if name else []
             outer = [".".join(parts[:i]) for i in range(len(parts))]  # "" (root), "a", "a.b", ...
             for a in outer:
                 if a in names:
-                    raise StatsFormatError(f"malformed plan: {name!r} is nested inside checkpointed {a or '(root)'!r}")
+                    raise StatsFormatError(f"{name!r} is nested inside checkpointed {a or '(root)'!r}")
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())
@@ -192,3 +199,19 @@ class Plan:
         from autosac.report import plan_table
 
         return plan_table(self)
+
+
+def _check_calls(d: Decision, where: str) -> None:
+    """A decision's op calls: ``[op, [earlier calls it reads]]`` each, and the
+    indices into them (``save``, ``skip``, each op's ``call`` and ``writers``) in range."""
+    n = len(d.calls)
+    for i, call in enumerate(d.calls):
+        if not (len(call) == 2 and isinstance(call[0], str) and isinstance(call[1], list)
+                and all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < n for r in call[1])):
+            raise StatsFormatError(f"{where}.calls[{i}] must be [op name, [indices of calls it reads]], got {short(call)}")
+    indices = [("save", i) for i in d.save] + [("skip", i) for i in d.skip]
+    indices += [(f"ops[{k}].call", op.call) for k, op in enumerate(d.ops)] if n else []
+    indices += [(f"ops[{k}].writers", w) for k, op in enumerate(d.ops) for w in op.writers] if n else []
+    for name, i in indices:
+        if not 0 <= i < n:
+            raise StatsFormatError(f"{where}.{name} holds call index {i}, outside the {n} calls")

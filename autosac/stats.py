@@ -8,9 +8,10 @@ many budgets without the model.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from autosac.errors import StatsFormatError
+from autosac.schema import build, check_common, parse
 
 STATS_FORMAT = 5
 
@@ -230,27 +231,42 @@ class ModelStats:
     def from_json(cls, text: str) -> ModelStats:
         """Parse :meth:`to_json` output.
 
+        Every field is type-checked against its annotation (ints, finite
+        numbers, ...) and the module tree and timeline checked to hold together.
+
         Raises:
-            StatsFormatError: the text is not a ModelStats of this format version.
+            StatsFormatError: the text is not a ModelStats of this format version, or
+                a field is missing, mistyped or not finite (one line naming it).
         """
-        try:
-            data = json.loads(text)
-        except (json.JSONDecodeError, TypeError) as e:
-            raise StatsFormatError(f"not a ModelStats JSON document: {e}") from None
+        data = parse(text, "a ModelStats")
         if not isinstance(data, dict) or data.get("format") != STATS_FORMAT:
             found = data.get("format") if isinstance(data, dict) else None
             raise StatsFormatError(
                 f"ModelStats format {found!r} is not {STATS_FORMAT}: re-run autosac.profile with this version"
             )
+        names = {f.name for f in fields(cls)}
         try:
-            data["modules"] = {k: ModuleStats(**v) for k, v in data["modules"].items()}
-            data["params"] = {k: ParamStats(**v) for k, v in data["params"].items()}
-            data["saved_ops"] = [SavedOp(**v) for v in data["saved_ops"]]
-            data["timeline"] = Timeline(**data["timeline"])
-            names = {f.name for f in fields(cls)}
-            return cls(**{k: v for k, v in data.items() if k in names})
-        except (KeyError, TypeError, AttributeError) as e:
+            stats = build(cls, {k: v for k, v in data.items() if k in names}, "", strict=False)
+            check_common(stats)
+            stats._check_structure()
+        except StatsFormatError as e:
             raise StatsFormatError(f"malformed ModelStats JSON: {e}") from None
+        return stats
+
+    def _check_structure(self) -> None:
+        """The module tree and the timeline's columns hold together."""
+        if self.root not in self.modules:
+            raise StatsFormatError(f"root {self.root!r} is not one of modules")
+        for fqn, m in self.modules.items():
+            for child in m.children:
+                if child not in self.modules:
+                    raise StatsFormatError(f"modules[{fqn!r}].children names {child!r}, which is not one of modules")
+        n = len(self.timeline)
+        for f in fields(Timeline):
+            column = getattr(self.timeline, f.name)
+            optional = f.default_factory is not MISSING  # a column older profiles lack: empty
+            if len(column) != n and not (optional and not column):
+                raise StatsFormatError(f"timeline.{f.name} has {len(column)} entries for {n} ops")
 
     def subtree(self, fqn: str) -> list[str]:
         """``fqn`` and all its descendants, in forward pre-order."""
