@@ -46,6 +46,7 @@ the trace, for its figures.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass
 
@@ -56,6 +57,7 @@ CACHE_KEY = "host-costs-v9"  # bump when the micro-benchmark changes
 _FIELDS = ("op_us", "checkpoint_call_us", "saved_tensor_us", "selective_op_us", "untimed_op_us", "backward_op_us",
            "backward_untimed_us")
 _SIGNED = ("backward_untimed_us",)
+SIGNED_CACHE_KEYS = frozenset(f"{CACHE_KEY}:{f}" for f in _SIGNED)  # cached figures that may be negative
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,7 @@ class HostCosts:
         for name, value in asdict(self).items():
             if value is None and name.startswith("backward_"):
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"HostCosts.{name} must be a number of microseconds, got {value!r}")
             if name not in _SIGNED and value < 0:
                 raise ValueError(f"HostCosts.{name} must be a number of microseconds >= 0, got {value!r}")
@@ -145,8 +147,11 @@ def calibrate(force: bool = False) -> HostCosts:
     cache = TimingCache()
     found = {f: cache.get(f"{CACHE_KEY}:{f}") for f in _FIELDS}
     if all(v is not None for v in found.values()) and not force:
-        _CALIBRATED = HostCosts(**found)
-        return _CALIBRATED
+        try:
+            _CALIBRATED = HostCosts(**found)
+            return _CALIBRATED
+        except ValueError:  # a figure HostCosts refuses: measured again below
+            pass
     try:
         costs = _measure()
     except Exception as e:  # noqa: BLE001 - a plan priced by its kernels alone beats no plan

@@ -1,7 +1,10 @@
-"""Hand-edited or corrupted plans and profiles fail at load, in one line naming
-the field: never later, in a print, a solve or a forward, and never half-applied."""
+"""Hand-edited or corrupted files fail at load, in one line naming the field
+(plans and profiles), or are re-measured (the CPU timing cache): never later,
+in a print, a solve or a forward, and never half-applied."""
 
 import json
+import math
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -10,8 +13,14 @@ from suite import A100_CPU_KERNELS
 from torch import nn
 
 import autosac
+from autosac import host
+from autosac.host import HostCosts
 from autosac.plan import Plan
 from autosac.stats import ModelStats
+from autosac.trace.timings import cache_path
+
+SIGNED_CACHE_KEYS = {f"{host.CACHE_KEY}:{f}" for f in host._SIGNED}  # host figures that may be negative
+CPU_NO_HOST = replace(autosac.DEVICES["cpu"], host=HostCosts())  # timed ops, no host calibration
 
 
 def _tiny():
@@ -167,3 +176,110 @@ def test_malformed_stats_fail_at_load_naming_the_field(stats, edit, match):
 
 def test_valid_stats_round_trip(stats):
     assert ModelStats.from_json(stats.to_json()) == stats
+
+
+# --- the CPU timing cache -------------------------------------------------------------------------
+
+BAD_VALUES = [float("nan"), -1.0, float("inf"), "x", None, [1.0], True, float("-inf")]
+
+
+@pytest.fixture
+def fresh_roofline(monkeypatch):
+    """The CPU roofline read from the cache as a new process would (it is kept for the process)."""
+    from functools import lru_cache
+
+    from autosac.trace import costs
+
+    fresh = lru_cache(maxsize=1)(costs.local_cpu_spec.__wrapped__)
+    monkeypatch.setattr(costs, "local_cpu_spec", fresh)
+    return fresh
+
+
+def _profile_cpu(tmp_path, monkeypatch, name: str):
+    monkeypatch.setenv("AUTOSAC_CACHE_DIR", str(tmp_path / name))
+    return autosac.profile(_tiny(), torch.randn(4, 8, 16), target=CPU_NO_HOST, optimizer="none"), cache_path()
+
+
+def _assert_finite(stats):
+    assert all(math.isfinite(ms) and ms >= 0 for ms in stats.timeline.ms)
+    assert math.isfinite(stats.step_ms) and stats.step_ms > 0
+    plan = autosac.solve(stats, "least")
+    assert plan.decisions and math.isfinite(plan.recompute_ms) and math.isfinite(plan.step_ms)
+
+
+def _assert_clean_file(path, keys):
+    def refuse(token):
+        raise AssertionError(f"{path} holds {token}")
+
+    data = json.loads(path.read_text(), parse_constant=refuse)
+    assert isinstance(data, dict) and keys <= set(data)
+    for k, v in data.items():
+        assert type(v) in (int, float) and (v >= 0 or k in SIGNED_CACHE_KEYS), (k, v)
+
+
+def _profile_warned(tmp_path, monkeypatch, name: str, roofline):
+    """Profile with the cache dir ``name`` as a new process would; the one warning it gives, naming the file."""
+    roofline.cache_clear()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        stats, path = _profile_cpu(tmp_path, monkeypatch, name)
+        _assert_finite(stats)
+    assert not [w for w in seen if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in seen]
+    ours = [str(w.message) for w in seen if str(path) in str(w.message)]
+    assert len(ours) == 1 and "timing again and rewriting it" in ours[0], [str(w.message) for w in seen]
+    return stats, path
+
+
+def test_bad_timing_entries_are_retimed_and_rewritten(tmp_path, monkeypatch, fresh_roofline):
+    _, good = _profile_cpu(tmp_path, monkeypatch, "good")
+    table = json.loads(good.read_text())
+    assert len(table) >= len(BAD_VALUES)
+    corrupt = {k: BAD_VALUES[i % len(BAD_VALUES)] for i, k in enumerate(table)}
+    corrupt["unused op"] = float("nan")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / good.name).write_text(json.dumps(corrupt))
+    _, path = _profile_warned(tmp_path, monkeypatch, "bad", fresh_roofline)
+    assert path == tmp_path / "bad" / good.name
+    _assert_clean_file(path, set(table))
+    assert "unused op" not in json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("content", [bytes(range(256)), b"[1, 2]", b'"timings"', b'{"a": ', b"[" * 100_000],
+                         ids=["binary", "list", "string", "truncated", "deep"])
+def test_unreadable_timing_cache_is_remeasured_and_rewritten(tmp_path, monkeypatch, content, fresh_roofline):
+    _, good = _profile_cpu(tmp_path, monkeypatch, "good")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / good.name).write_bytes(content)
+    _, path = _profile_warned(tmp_path, monkeypatch, "bad", fresh_roofline)
+    _assert_clean_file(path, set(json.loads(good.read_text())))
+
+
+def test_bad_host_figures_are_remeasured_not_raised(tmp_path, monkeypatch):
+    """NaN or negative host figures in the cache raised ``HostCosts.op_us must be
+    a number of microseconds, got nan``, naming no file: now measured again."""
+    measured = HostCosts(op_us=10.0, checkpoint_call_us=100.0, saved_tensor_us=5.0, selective_op_us=20.0,
+                         untimed_op_us=3.0, backward_op_us=8.0, backward_untimed_us=-1.5)
+    calls = []
+    monkeypatch.setattr(host, "_measure", lambda: calls.append(1) or measured)
+    monkeypatch.setattr(host, "_CALIBRATED", None)
+    monkeypatch.setenv("AUTOSAC_CACHE_DIR", str(tmp_path))
+    path = cache_path()
+    fields = list(measured.to_dict())
+    bad = {f"{host.CACHE_KEY}:{f}": BAD_VALUES[i % 3] for i, f in enumerate(fields)}  # nan, -1, inf
+    path.write_text(json.dumps(bad))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert host.calibrate() == measured
+    assert calls == [1]
+    assert [str(w.message) for w in seen if str(path) in str(w.message)]
+    _assert_clean_file(path, set(bad))
+    assert json.loads(path.read_text())[f"{host.CACHE_KEY}:backward_untimed_us"] == -1.5  # signed: kept
+    # the next process reads them back, negative signed figure included, and measures nothing
+    monkeypatch.setattr(host, "_CALIBRATED", None)
+    monkeypatch.setattr(autosac.trace.timings.TimingCache, "_loaded", {})
+    assert host.calibrate() == measured and calls == [1]
+
+
+def test_host_costs_refuse_infinity():
+    with pytest.raises(ValueError, match="op_us must be a number of microseconds, got inf"):
+        HostCosts(op_us=float("inf"))

@@ -336,7 +336,7 @@ def local_cpu_spec() -> DeviceSpec:
 
     timings = TimingCache()
     flops, bandwidth = timings.get("roofline-flops"), timings.get("roofline-bandwidth")
-    if flops is not None and bandwidth is not None:
+    if flops and bandwidth:  # the cache holds only finite numbers >= 0 (autosac.trace.timings); 0 is none
         return DeviceSpec("cpu-roofline", {"float32": flops}, bandwidth, compute_efficiency=1.0, memory_efficiency=1.0,
                           device_type="cpu")
     with unset_fake_temporarily():
