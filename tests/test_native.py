@@ -1,9 +1,15 @@
 """The native pack_downcast op and the downcast gather: bitwise equal to casting
 each tensor with PyTorch, in fake mode too, over real gloo processes."""
 
+import json
+import os
+import select
 import shutil
 import subprocess
+import sys
+import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -200,3 +206,153 @@ def test_build_native_from_the_cli(capsys, monkeypatch, tmp_path):
     assert main(["build-native"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("autosac: error: native sources not found")
+
+
+# -- the build cache: a killed build's lock, a planted library ---------------------------------------------
+
+# Run in a fresh process: cpp_extension's ninja step stands in as ninja decides
+# (an existing library is up to date; else the library this session built is
+# "linked"), so no compiler runs; HANG=1 stops the build midway, inside its locks.
+_STUB = textwrap.dedent("""
+    import os, shutil, sys, time
+    from torch.utils import cpp_extension
+
+    def ninja(name, build_directory, **kwargs):
+        print("building", flush=True)
+        if os.environ.get("HANG"):
+            time.sleep(600)
+        lib = os.path.join(build_directory, name + ".so")
+        if not os.path.exists(lib):
+            shutil.copy(os.environ["REAL_LIB"], lib)
+
+    cpp_extension._write_ninja_file_and_build_library = ninja
+    from autosac import native
+""")
+
+
+def _env(cache: Path, **extra) -> dict:
+    real = Path(native.build())  # this session's build, made by the real compiler
+    return {**os.environ, "AUTOSAC_CACHE_DIR": str(cache), "REAL_LIB": str(real / f"{real.name}.so"), **extra}
+
+
+def _run(code: str, cache: Path, **extra) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run([sys.executable, "-c", _STUB + textwrap.dedent(code)], env=_env(cache, **extra),
+                              capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the native build hung (waited over 60 s)")
+
+
+def _start_hanging_build(cache: Path) -> subprocess.Popen:
+    """A build stopped midway (compiling), holding whatever locks a build holds."""
+    proc = subprocess.Popen([sys.executable, "-c", _STUB + "native.build()"], env=_env(cache, HANG="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ready, _, _ = select.select([proc.stdout], [], [], 60)
+    if not ready or proc.stdout.readline().strip() != "building":
+        proc.kill()
+        pytest.fail(f"the build did not start: {proc.communicate()[1][-2000:]}")
+    return proc
+
+
+def test_a_build_killed_midway_is_redone_not_waited_on(tmp_path):
+    cache = tmp_path / "cache"
+    killed = _start_hanging_build(cache)
+    killed.kill()
+    killed.communicate()
+    where = cache / "native" / Path(native.build()).name
+    assert (where / "lock").exists()  # cpp_extension's FileBaton lock, left behind
+    done = _run("print(native.available())", cache)
+    assert done.stdout.split()[-1:] == ["True"], done.stderr[-2000:]
+    for d in (cache, cache / "native", where):
+        assert d.stat().st_mode & 0o777 == 0o700, d
+    # the finished build is loaded as it is, nothing compiled
+    again = _run("cpp_extension._write_ninja_file_and_build_library = None\nprint(native.available())", cache)
+    assert again.stdout.split() == ["True"], again.stderr[-2000:]
+
+
+def test_a_build_in_progress_is_waited_on_for_a_bounded_time(tmp_path):
+    cache = tmp_path / "cache"
+    holder = _start_hanging_build(cache)
+    try:
+        done = _run("""
+            try:
+                native.build()
+            except native.NativeBuildError as e:
+                print(e)
+        """, cache, AUTOSAC_NATIVE_LOCK_TIMEOUT="0.5")
+    finally:
+        holder.kill()
+        holder.communicate()
+    said = done.stdout.strip().splitlines()
+    lock = cache.resolve() / "native" / f"{Path(native.build()).name}.lock"
+    assert len(said) == 1 and f"pid {holder.pid}" in said[0] and str(lock) in said[0], done.stdout + done.stderr[-2000:]
+
+
+def _plant(cache: Path, forge: bool) -> Path:
+    """A copy of a finished build whose library is replaced by one that leaves a
+    marker file when loaded; ``forge``: its manifest rewritten to match."""
+    real = Path(native.build())
+    where = cache / "native" / real.name
+    shutil.copytree(real, where, ignore=shutil.ignore_patterns("lock"))  # file times kept: ninja sees it built
+    for d in (cache, cache / "native", where):
+        d.chmod(0o700)
+    marker = cache.parent / "marker"
+    src = cache.parent / "planted.c"
+    src.write_text(f'#include <stdio.h>\n__attribute__((constructor)) static void planted(void) '
+                   f'{{ FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\n')
+    lib = where / f"{real.name}.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, timeout=60)
+    if forge:
+        import hashlib
+
+        manifest = where / "manifest.json"
+        entry = json.loads(manifest.read_text()) if manifest.exists() else {}
+        entry["sha256"] = hashlib.sha256(lib.read_bytes()).hexdigest()
+        manifest.write_text(json.dumps(entry))
+    return marker
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not installed")
+def test_a_planted_library_is_rebuilt_not_loaded(tmp_path):
+    cache = tmp_path / "cache"
+    marker = _plant(cache, forge=False)
+    done = _run("print(native.available())", cache)
+    assert not marker.exists()
+    assert done.stdout.split()[-1:] == ["True"], done.stderr[-2000:]
+    assert "does not match the SHA-256 recorded when it was built; building it again" in done.stderr
+
+
+def _unsafe(how: str, cache: Path) -> str:
+    where = next((cache / "native").iterdir())
+    if how == "group-writable cache":
+        cache.chmod(0o770)
+        return "group-writable"
+    if how == "world-writable build":
+        where.chmod(0o707)
+        return "world-writable"
+    if how == "owned by another user":
+        os.chown(where, 4242, -1)
+        return "owned by uid 4242"
+    cache.parent.chmod(0o777)  # a folder above the cache: anyone may replace the cache there
+    return f"{cache.parent} is world-writable"
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not installed")
+@pytest.mark.parametrize("how", ["group-writable cache", "world-writable build", "owned by another user",
+                                 "world-writable folder above"])
+def test_a_build_others_could_have_written_is_not_loaded(tmp_path, how):
+    if how == "owned by another user" and os.geteuid() != 0:
+        pytest.skip("chown needs root")
+    base = tmp_path / "shared"
+    base.mkdir()
+    cache = base / "cache"
+    marker = _plant(cache, forge=True)
+    why = _unsafe(how, cache)
+    try:
+        done = _run("print(native.available())", cache)
+    finally:
+        base.chmod(0o700)
+    assert not marker.exists()
+    assert done.stdout.split() == ["False"], done.stderr[-2000:]
+    said = [line for line in done.stderr.splitlines() if "autosac:" in line]
+    assert len(said) == 1 and why in said[0] and "PyTorch fallback" in said[0], done.stderr[-2000:]
