@@ -4,15 +4,20 @@ Each decided module's forward runs under ``torch.utils.checkpoint`` (non-reentra
 with a selective-checkpoint policy that recomputes exactly the planned op calls;
 RNG state is preserved, so recomputed dropout draws the same mask, and
 recomputation never updates buffers or Python state twice
-(:mod:`autosac.applier.region`).  Around the whole model, a saved-tensor hook
-keeps parameter casts from being saved, and a run with other input shapes
-than the plan's is warned about.
+(:mod:`autosac.applier.region`).  The checkpoint runs what the module ran
+before: a ``forward`` set on the instance (accelerate's ``add_hook_to_module``)
+is wrapped, not bypassed, and :func:`unapply` puts that same object back.
+Around the whole model, a saved-tensor hook keeps parameter casts from being
+saved, and a run with other input shapes than the plan's is warned about.
+
+Everything apply puts on a model pickles (``torch.save(model)``) and deep-copies:
+the checkpointed forward is a ``functools.partial`` of a module-level function,
+and the model's hooks are :class:`_Hook` objects that pickle by name.
 """
 
 from __future__ import annotations
 
 import functools
-import types
 
 import torch
 from torch import nn
@@ -90,13 +95,11 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
         raise StatsFormatError(f"malformed plan: {e}") from None
     unapply(model)
     for fqn, mod in modules.items():
-        mod.forward = types.MethodType(_checkpointed_forward, mod)
-        setattr(mod, POLICY, policies[fqn])
-    enter_model, exit_model, no_cache = _model_hooks()
-    model.register_forward_pre_hook(enter_model, with_kwargs=True)
-    model.register_forward_hook(exit_model, always_call=True)
+        _wrap_forward(mod, policies[fqn])
+    model.register_forward_pre_hook(_HOOKS["enter"], with_kwargs=True)
+    model.register_forward_hook(_HOOKS["exit"], always_call=True)
     for _, inner in transformers_models(model):  # wherever they sit: the root or inside a wrapper
-        inner.register_forward_pre_hook(no_cache, with_kwargs=True, prepend=True)
+        inner.register_forward_pre_hook(_HOOKS["no_cache"], with_kwargs=True, prepend=True)
     setattr(model, APPLIED, {"plan": plan, "warned_shapes": set()})
     model.__dict__[_CAST_CTX] = []  # made here, not at the first forward: a trace sees no new state
     return model
@@ -109,7 +112,9 @@ def unapply(model: nn.Module) -> nn.Module:
         model: a model :func:`apply` changed, or any other model.
 
     Returns:
-        The same ``model``, with its modules' own forwards and no autosac hooks.
+        The same ``model``, with its modules' own forwards and no autosac hooks:
+        a ``forward`` the instance had before :func:`apply` is put back (the same
+        object), one set after it is left in place.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
@@ -127,16 +132,16 @@ def unapply(model: nn.Module) -> nn.Module:
     # found by identity rather than through handles, which a deepcopy would share
     for mod in model.modules():
         for table in (mod._forward_pre_hooks, mod._forward_hooks):
-            for key in [k for k, fn in table.items() if fn in _model_hooks()]:
+            for key in [k for k, fn in table.items() if isinstance(fn, _Hook)]:
                 del table[key]
                 mod._forward_hooks_always_called.pop(key, None)
                 mod._forward_pre_hooks_with_kwargs.pop(key, None)
                 mod._forward_hooks_with_kwargs.pop(key, None)
         mod.__dict__.pop(CACHE_WARNED, None)
     for mod in model.modules():
-        if POLICY in mod.__dict__:
-            mod.__dict__.pop("forward", None)
-            mod.__dict__.pop(POLICY, None)
+        policy = mod.__dict__.pop(POLICY, None)
+        if policy is not None:
+            _unwrap_forward(mod)
     return model
 
 
@@ -152,18 +157,55 @@ def applied_plan(model: nn.Module) -> Plan | None:
     return None if state is None else state["plan"]
 
 
-def _checkpointed_forward(self, *args, **kwargs):
-    # Looked up on ``self`` at call time, so a deepcopy of the model checkpoints
-    # its own weights with its own policy.  Under torch.compile the module is
-    # one traced region whose ops carry the decision (autosac.applier.compiled).
-    original = type(self).forward.__get__(self)
-    if not torch.is_grad_enabled():
-        return original(*args, **kwargs)
+def _wrap_forward(mod: nn.Module, policy: RegionPolicy) -> None:
+    """Checkpoint ``mod`` with ``policy``, around what it ran: the ``forward``
+    set on the instance, if any (accelerate's hooks), else its class's."""
+    mod.forward = functools.partial(_checkpointed_forward, mod, _own_forward(mod), policy)
+    setattr(mod, POLICY, policy)
+
+
+def _own_forward(mod: nn.Module):
+    """The instance's forward apart from ours (None: its class's)."""
+    fwd = mod.__dict__.get("forward")
+    return fwd.args[1] if _is_ours(fwd, mod) else fwd
+
+
+def _is_ours(fwd, mod: nn.Module) -> bool:
+    return isinstance(fwd, functools.partial) and fwd.func is _checkpointed_forward and fwd.args[0] is mod
+
+
+def _unwrap_forward(mod: nn.Module) -> None:
+    """Put back the forward ``mod`` had before :func:`apply`.  A forward set
+    after it stays: it calls ours, which runs the one from before from now on."""
+    fwd = mod.__dict__.get("forward")
+    if not _is_ours(fwd, mod):
+        return
+    if fwd.args[1] is None:
+        del mod.__dict__["forward"]
+    else:
+        mod.__dict__["forward"] = fwd.args[1]
+
+
+def _checkpointed_forward(self, own, policy, *args, **kwargs):
+    # A partial on the module (it pickles and deep-copies with it: a copy
+    # checkpoints its own weights with its own policy).  ``own`` is the forward
+    # the instance had before apply, or None for its class's.  Under
+    # torch.compile the module is one traced region whose ops carry the
+    # decision (autosac.applier.compiled).
+    original = own if own is not None else type(self).forward.__get__(self)
+    if not torch.is_grad_enabled() or self.__dict__.get(POLICY) is not policy:
+        return original(*args, **kwargs)  # no grad, or unapplied (then applied again) since
     if torch.compiler.is_compiling():  # one traced region; its decision as recompute tags
-        policy = getattr(self, POLICY)
         return checkpoint(functools.partial(original, **kwargs), *args, use_reentrant=False,
                           context_fn=compiled_context_fn(save_keys(policy.calls, policy.save)))
-    call = getattr(self, POLICY).start(self, args, kwargs)
+    if not _is_ours(self.__dict__.get("forward"), self) and "replaced" not in policy.warned:
+        policy.warned.add("replaced")
+        warn_user(
+            f"autosac: a checkpointed {type(self).__name__}'s forward was replaced after autosac.apply by one that "
+            "calls it: what the new one adds runs outside the checkpoint, once, and its backward's recomputation "
+            "does not rerun it -- set it before planning and applying to have it run inside the checkpoint"
+        )
+    call = policy.start(self, args, kwargs)
     # keyword arguments are bound by the wrapper, never passed to checkpoint,
     # so a forward's own ``context_fn=`` or ``debug=`` cannot clash with checkpoint's
     out = checkpoint(call.wrap(original, args, kwargs), *args, use_reentrant=False, preserve_rng_state=True,
@@ -172,12 +214,34 @@ def _checkpointed_forward(self, *args, **kwargs):
     return out
 
 
-@functools.cache
-def _model_hooks() -> tuple:
-    """The hooks :func:`apply` puts on a model, run outside ``torch.compile``'s
-    tracing (``torch.compiler.disable``).  Wrapped at the first ``apply``, not
-    at import: the wrapping imports Dynamo, which takes seconds."""
-    return tuple(torch.compiler.disable(fn) for fn in (_enter_model, _exit_model, _no_cache))
+class _Hook:
+    """One of the hooks :func:`apply` puts on a model, named: it pickles and
+    deep-copies as its name (the one instance per name in ``_HOOKS``), and runs
+    its function outside ``torch.compile``'s tracing
+    (``torch.compiler.disable``), wrapped at its first call, not at import:
+    the wrapping imports Dynamo, which takes seconds."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, *args):
+        fn = _DISABLED.get(self.name)
+        if fn is None:
+            fn = _DISABLED[self.name] = torch.compiler.disable(_HOOK_FNS[self.name])
+        return fn(*args)
+
+    def __reduce__(self):
+        return _hook, (self.name,)
+
+    def __repr__(self) -> str:
+        return f"<autosac model hook {self.name!r}>"
+
+
+def _hook(name: str) -> _Hook:
+    """The hook named ``name`` (how a pickled one loads)."""
+    return _HOOKS[name]
 
 
 def _enter_model(module, args, kwargs):
@@ -215,6 +279,11 @@ def _exit_model(module, args, output):
         ctx = stack.pop()
         if ctx is not None:
             ctx.__exit__(None, None, None)
+
+
+_HOOK_FNS = {"enter": _enter_model, "exit": _exit_model, "no_cache": _no_cache}
+_HOOKS = {name: _Hook(name) for name in _HOOK_FNS}
+_DISABLED: dict = {}
 
 
 def _check_device(state: dict, module) -> None:

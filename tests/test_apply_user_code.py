@@ -1,0 +1,188 @@
+"""A plan applied to a model keeps the user's own code: a forward set on a
+module instance (accelerate's ``add_hook_to_module``, an adapter) runs inside
+the checkpoint as it ran before and is put back exactly by ``unapply``; and an
+applied model pickles, saves with ``torch.save`` and deep-copies, the copy
+still checkpointed as planned."""
+
+import copy
+import functools
+import io
+import pickle
+import types
+import warnings
+
+import pytest
+import torch
+from suite import A100_CPU_KERNELS
+from test_apply import _assert_bitwise, _backward_counts
+from torch import nn
+
+import autosac
+from autosac.applier import applied_plan
+from autosac.solver import plan_from_decisions
+
+
+class _Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class _Net(nn.Module):
+    def __init__(self, d=32, n=3):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block(d) for _ in range(n))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _net():
+    torch.manual_seed(0)
+    return _Net(), torch.randn(4, 16, 32)
+
+
+def _plan(model, x, fqns=("blocks.0", "blocks.1")):
+    stats = autosac.profile(model, x, target=A100_CPU_KERNELS)
+    return plan_from_decisions(stats, dict.fromkeys(fqns, 1.0))
+
+
+def _recomputes(model, x) -> bool:
+    """Whether the backward reruns forward ops (gelu): the plan checkpoints."""
+    return _backward_counts(model, x).get("gelu", 0) > 0
+
+
+def _scaled_forward(module, x):
+    """A plain instance forward: the class's, scaled (picklable: a module-level function)."""
+    return type(module).forward(module, x) * 1.5
+
+
+def _instance_forwards(model):
+    return {name: m.__dict__["forward"] for name, m in model.named_modules() if "forward" in m.__dict__}
+
+
+# ------------------------------------------------------------ instance forwards
+
+
+@pytest.mark.parametrize("how", ["partial", "method"])
+def test_an_instance_forward_runs_inside_the_plan_and_unapply_puts_it_back(how):
+    model, x = _net()
+    blk = model.blocks[1]
+    if how == "partial":
+        blk.forward = functools.partial(_scaled_forward, blk)
+    else:
+        blk.forward = types.MethodType(_scaled_forward, blk)
+    own = blk.__dict__["forward"]
+    ref = copy.deepcopy(model)
+    plan = _plan(model, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the trace saw the instance forward: the plan matches, nothing warns
+        autosac.apply(model, plan)
+        _assert_bitwise(ref, model, x)
+        assert _recomputes(model, x)
+    autosac.unapply(model)
+    assert blk.__dict__["forward"] is own
+    assert "forward" not in model.blocks[0].__dict__ and "forward" not in model.blocks[2].__dict__
+    _assert_bitwise(ref, model, x)
+
+
+def test_accelerate_hooks_run_inside_the_plan_and_unapply_puts_them_back():
+    hooks = pytest.importorskip("accelerate.hooks")
+
+    class Scale(hooks.ModelHook):
+        def post_forward(self, module, output):
+            return output * 1.5
+
+    model, x = _net()
+    hooks.add_hook_to_module(model.blocks[1], Scale())
+    own = model.blocks[1].__dict__["forward"]
+    ref = copy.deepcopy(model)
+    plan = _plan(model, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        autosac.apply(model, plan)
+        autosac.apply(model, plan)  # again: replaces ours, keeps theirs
+        _assert_bitwise(ref, model, x)
+        assert _recomputes(model, x)
+    autosac.unapply(model)
+    assert _instance_forwards(model) == {"blocks.1": own} and model.blocks[1].forward is own
+    _assert_bitwise(ref, model, x)
+    hooks.remove_hook_from_module(model.blocks[1])
+    _assert_bitwise(_net()[0], model, x)
+
+
+def test_a_hook_added_after_apply_runs_once_around_the_checkpoint_and_unapply_leaves_it():
+    hooks = pytest.importorskip("accelerate.hooks")
+
+    class Scale(hooks.ModelHook):
+        def post_forward(self, module, output):
+            return output * 1.5
+
+    model, x = _net()
+    plan = _plan(model, x)
+    autosac.apply(model, plan)
+    ref = copy.deepcopy(_net()[0])
+    hooks.add_hook_to_module(ref.blocks[1], Scale())
+    hooks.add_hook_to_module(model.blocks[1], Scale())
+    with pytest.warns(UserWarning, match=r"_Block's forward was replaced after autosac.apply"):
+        _assert_bitwise(ref, model, x)
+    assert _recomputes(model, x)
+    theirs = model.blocks[1].__dict__["forward"]
+    autosac.unapply(model)
+    assert model.blocks[1].__dict__["forward"] is theirs  # their code stays; ours inside it is the plain forward
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _assert_bitwise(ref, model, x)
+        assert not _recomputes(model, x)
+        hooks.remove_hook_from_module(model.blocks[1])
+        _assert_bitwise(_net()[0], model, x)
+        autosac.apply(model, plan)  # and applying again checkpoints as planned
+        _assert_bitwise(_net()[0], model, x)
+        assert _recomputes(model, x)
+
+
+# ------------------------------------------------------------ pickling
+
+
+def _pickled(model):
+    return pickle.loads(pickle.dumps(model))
+
+
+def _torch_saved(model):
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize("copier", [_pickled, _torch_saved, copy.deepcopy])
+def test_an_applied_model_saves_and_loads_back_checkpointed(copier):
+    model, x = _net()
+    model.blocks[2].forward = functools.partial(_scaled_forward, model.blocks[2])
+    ref = copy.deepcopy(model)
+    plan = _plan(model, x, ("blocks.0", "blocks.2"))
+    autosac.apply(model, plan)
+    loaded = copier(model)
+    assert applied_plan(loaded) is not None and applied_plan(loaded).decisions == plan.decisions
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _assert_bitwise(model, loaded, x)
+        _assert_bitwise(ref, loaded, x)
+        assert _recomputes(loaded, x)
+    # the copy checkpoints its own weights: gradients land on it alone
+    loaded(x).sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+    autosac.unapply(loaded)
+    own = _instance_forwards(loaded)
+    assert list(own) == ["blocks.2"]  # the copy's own instance forward, bound to the copy's block
+    assert own["blocks.2"].func is _scaled_forward and own["blocks.2"].args[0] is loaded.blocks[2]
+    assert not loaded._forward_pre_hooks and not loaded._forward_hooks
+    assert not _recomputes(loaded, x)
+    _assert_bitwise(ref, loaded, x)
+    assert _recomputes(model, x)  # the original keeps its plan
