@@ -15,6 +15,7 @@ stack of the op that produced them.
 from __future__ import annotations
 
 import bisect
+import threading
 import weakref
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
@@ -359,6 +360,43 @@ def _number_in_tensor_slot(func, args, kwargs) -> bool:
     return any(isinstance(_arg(args, kwargs, i, n), (int, float, complex)) for i, n in _tensor_slots(func))
 
 
+def _dtypes(x):
+    """A hashable stand-in for an op's arguments: tensors by dtype alone."""
+    if isinstance(x, torch.Tensor):
+        return _Zeros((), (), x.dtype)
+    if isinstance(x, dict):
+        return tuple((k, _dtypes(v)) for k, v in x.items())
+    if isinstance(x, (list, tuple)):
+        return tuple(_dtypes(v) for v in x)
+    return x
+
+
+@lru_cache(maxsize=256)
+def _saved_number_bytes(func, args: tuple, kwargs: tuple) -> int:
+    """Bytes of the 0-dim tensors autograd keeps for the numbers an in-place op
+    took in Tensor slots (``h.mul_(0.5)`` keeps 0.5): the op run for real on
+    0-dim tensors, its node's saved values read.  It runs on a thread of its
+    own, outside this dispatch (where autograd is below) and any mode."""
+    found = []
+    worker = threading.Thread(target=lambda: found.append(_numbers_kept(func, args, kwargs)), daemon=True)
+    worker.start()
+    worker.join()
+    return found[0] if found else 0
+
+
+def _numbers_kept(func, args: tuple, kwargs: tuple) -> int:
+    try:
+        real = [_real(a).requires_grad_().clone() if isinstance(a, _Zeros) else a for a in args]
+        out = func(*real, **{k: _real(v) for k, v in kwargs})
+    except Exception:  # noqa: BLE001 - an op that cannot run on 0-dim tensors: nothing counted
+        return 0
+    node = out.grad_fn if isinstance(out, torch.Tensor) else None
+    saved = [getattr(node, n) for n in dir(node) if n.startswith("_saved_")] if node is not None else []
+    mine = {id(t) for t in real if isinstance(t, torch.Tensor)}
+    return sum(v.untyped_storage().nbytes() for v in saved
+               if isinstance(v, torch.Tensor) and v.dim() == 0 and id(v) not in mine and not v.requires_grad)
+
+
 def common_prefix(a: Stack, b: Stack) -> Stack:
     n = 0
     for x, y in zip(a, b):
@@ -383,14 +421,14 @@ class StepRecorder(TorchDispatchMode):
         self._param_of_storage: dict[int, str] = {}  # id(storage) -> param fqn
         self._param_of: dict[str, torch.Tensor] = {}
         self._param_stack: dict[int, Stack] = {}  # id(param) -> owner module stack
-        self._pending: list[tuple[weakref.ref, Stack, int]] = []
+        self._pending: list[tuple[weakref.ref, Stack, int, int]] = []  # (output, stack, event, its version then)
         self._seq_keys: list[int] = []
         self._seq_stacks: list[Stack] = []
         self._seq_events: list[int] = []
         self._flow = DataflowTracker()
         self._applying = 0  # depth of backward nodes computing now
         self._engine_sums: list[tuple[int, int]] = []  # (event, storage of the first gradient)
-        self._number_args: set[int] = set()  # forward events with a number in a Tensor argument
+        self._number_args: dict[int, int] = {}  # forward events with a number in a Tensor argument -> in-place bytes
         self.device_type = "cpu"  # the device the traced step's tensors are on
         self.fake_mode = None  # the trace's FakeTensorMode (writes into the model's real tensors go to fakes)
         self.small_values = True  # small cpu ops run for real (see run_op)
@@ -462,19 +500,57 @@ class StepRecorder(TorchDispatchMode):
         windows[-1] = (windows[-1][0], len(self.rec.ops))
 
     def _flush_pending(self) -> None:
-        for ref, stack, event in self._pending:
+        """Map the autograd nodes of the last op's outputs to the module stack
+        that made them.
+
+        A view the op wrote in place is never asked for its ``grad_fn``: autograd
+        rebuilds that node under the view's own lock, and an op the rebuild
+        dispatches lands here while the lock is held (``x.view(...).relu_()``):
+        asking again would wait on it for ever, a hang no signal ends.  The
+        op's node is its base's (``CopySlices``), read without that lock."""
+        for ref, stack, event, version in self._pending:
             t = ref()
-            if t is not None and t.grad_fn is not None:
-                if event in self._number_args:
-                    self._track_saved_numbers(t.grad_fn, event)
-                seq = t.grad_fn._sequence_nr()
-                if not self._seq_keys or seq > self._seq_keys[-1]:
-                    self._watch_apply(t.grad_fn)
-                    self._seq_keys.append(seq)
-                    self._seq_stacks.append(stack)
-                    self._seq_events.append(event)
+            if t is None:
+                continue
+            written_view = t._is_view() and t._version != version
+            node = t._base.grad_fn if written_view else t.grad_fn
+            if node is None:
+                continue
+            if event in self._number_args:
+                if written_view:
+                    self._hold_numbers(node, event, self._number_args[event])
+                else:
+                    self._track_saved_numbers(node, event)
+            self._map_node(node, stack, event)
         self._pending.clear()
         self._number_args.clear()
+
+    def _map_node(self, node, stack: Stack, event: int) -> None:
+        """Remember that ``node`` was made in ``stack`` by forward ``event``.
+        Nodes are numbered in creation order: one no newer than the last mapped
+        was passed on, not made, by the op."""
+        seq = node._sequence_nr()
+        if self._seq_keys and seq <= self._seq_keys[-1]:
+            return
+        self._watch_apply(node)
+        self._seq_keys.append(seq)
+        self._seq_stacks.append(stack)
+        self._seq_events.append(event)
+
+    def _hold_numbers(self, node, event: int, nbytes: int) -> None:
+        """The numbers an in-place op on a view keeps, inside a ``CopySlices``
+        node that shows no saved values: ``nbytes`` (:func:`_saved_number_bytes`)
+        live from ``event`` until that node's backward has run."""
+        if not nbytes:
+            return
+        i = len(self.rec.storages)
+        self.rec.storages.append(StorageRecord(nbytes, "act", created=event))
+
+        def released(grad_inputs, grad_outputs) -> None:
+            if self.rec.storages[i].freed is None:
+                self.rec.storages[i].freed = len(self.rec.ops)
+
+        node.register_hook(released)
 
     def _track_saved_numbers(self, node, event: int) -> None:
         """Count the numbers an op took as 0-dim tensors that its backward node
@@ -624,9 +700,9 @@ class StepRecorder(TorchDispatchMode):
         if phase == "forward":
             self._note_param_use(func, args, outs)
             if _number_in_tensor_slot(func, args, kwargs):
-                self._number_args.add(idx)
+                self._number_args[idx] = _saved_number_bytes(func, _dtypes(args), _dtypes(kwargs)) if writes else 0
             # grad_fn is attached above this dispatch level: resolve it at the next op
-            self._pending.extend((weakref.ref(t), stack, idx) for t in outs if t.is_floating_point())
+            self._pending.extend((weakref.ref(t), stack, idx, t._version) for t in outs if t.is_floating_point())
         return out
 
     def _loose_scalar_bytes(self, args) -> int:
