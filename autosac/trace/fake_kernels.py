@@ -10,6 +10,22 @@ checked against the real kernel:
   checks and refuses float32 and float16, which the CPU kernel (and the CUDA
   fallback) run.  Its output is sized here as the meta kernel sizes it.
 
+* ``aten._ctc_loss`` (CTC losses): its output's size follows the target
+  lengths' values, so the fake kernel raises ``DynamicOutputShapeException``.
+  Generally: an op whose output size follows values (op tag
+  ``dynamic_output_shape``) is run on the real CPU kernel when the only fake
+  inputs are floating ones and the real kernel makes the same sizes from
+  zeros and from ones in their place (the labels and lengths are real: the
+  sizes come from them); ``nonzero`` of a fake tensor stays data-dependent.
+
+Where a meta kernel takes what the real kernel refuses, the trace would plan
+a step that fails for real.  Meta kernels of ``mm`` and ``addmm`` (so of every
+``nn.Linear``) take operands of two floating dtypes (float64 inputs to a
+float32 model); the real kernels raise.  So an op that is not pointwise (whose
+type promotion the meta kernel does follow) and reads floating tensors of more
+than one dtype is also run once on the real CPU kernel, on zeros, per shape:
+what it raises, the trace raises (:class:`FakeKernelError`, ``real="refused"``).
+
 Any other op whose meta kernel raises is tried once on the real CPU kernel,
 on zeros of the same shapes, strides and dtypes (real tensors of the trace,
 an offsets tensor say, as they are; inputs up to 256 MiB): when the real
@@ -65,13 +81,15 @@ RULES = {aten._grouped_mm.default: _grouped_mm}
 
 
 _PROBE_CAP_BYTES = 256 << 20
+_REFUSAL_CAP_BYTES = 64 << 20  # mixed-dtype checks: the kernel runs, on zeros, when it takes them
 
 
 class FakeKernelError(RuntimeError):
     """An op's fake kernel raised ``error`` (its type and first line): ``op``
     names the op, ``real`` says what the real kernel did on zeros of the same
     inputs: ``"raised"`` (the inputs or the model are at fault) or
-    ``"untried"`` (inputs too large to try)."""
+    ``"untried"`` (inputs too large to try); or ``"refused"``: the fake kernel
+    ran and the real one raised ``error``."""
 
     def __init__(self, op: str, error: str, real: str) -> None:
         super().__init__(error)
@@ -83,24 +101,96 @@ def _data_dependent(e: Exception) -> bool:
                                 "GuardOnDataDependentSymNode", "UnsupportedOperatorException")
 
 
-def _real_twin(x):
+def _real_twin(x, fill: float = 0.0):
     if isinstance(x, FakeTensor):
-        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype).zero_()
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype).fill_(fill)
     return x
+
+
+def _run_real(func, args, kwargs, fill: float = 0.0, cap: int = _PROBE_CAP_BYTES):
+    """The real CPU kernel on ``fill`` in place of each fake input; ``None``
+    when the inputs are over ``cap`` bytes.  Raises what the kernel raises."""
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if sum(t.numel() * t.element_size() for t in tensors) > cap:
+        return None
+    with unset_fake_temporarily(), torch.random.fork_rng(devices=[]):
+        real_args, real_kwargs = tree_map(lambda x: _real_twin(x, fill), (args, kwargs))
+        return func(*real_args, **real_kwargs)
+
+
+def _as_fakes(out):
+    return tree_map(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+                    if isinstance(t, torch.Tensor) else t, out)
 
 
 def _follow_real(func, args, kwargs):
     """Fake outputs laid out as the real CPU kernel lays them out on zeros of
     the same inputs; ``None`` when the inputs are too large to try.  Raises
     what the real kernel raises."""
-    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    if sum(t.numel() * t.element_size() for t in tensors) > _PROBE_CAP_BYTES:
+    out = _run_real(func, args, kwargs)
+    return None if out is None else _as_fakes(out)
+
+
+def _sizes(out) -> list:
+    return [(t.shape, t.stride()) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+def _sized_by_real_values(func, args, kwargs):
+    """Fake outputs of an op whose output size follows values
+    (``dynamic_output_shape``), where those values are all real: only
+    floating inputs are fake, and the real kernel sizes its outputs alike on
+    zeros and on ones of them.  ``None`` otherwise (or on any error)."""
+    if torch.Tag.dynamic_output_shape not in func.tags:
         return None
-    with unset_fake_temporarily(), torch.random.fork_rng(devices=[]):
-        real_args, real_kwargs = tree_map(_real_twin, (args, kwargs))
-        out = func(*real_args, **real_kwargs)
-    return tree_map(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
-                    if isinstance(t, torch.Tensor) else t, out)
+    fakes = [t for t in tree_leaves((args, kwargs)) if isinstance(t, FakeTensor)]
+    if not all(t.is_floating_point() for t in fakes):
+        return None
+    try:
+        zeros, ones = _run_real(func, args, kwargs, 0.0), _run_real(func, args, kwargs, 1.0)
+    except Exception:  # noqa: BLE001 - the real kernel refuses: stays data-dependent
+        return None
+    if zeros is None or ones is None or _sizes(zeros) != _sizes(ones):
+        return None
+    return _as_fakes(zeros)
+
+
+def _mixed_floats(func, args, kwargs) -> bool:
+    """Whether a non-pointwise op reads floating tensors of two or more dtypes."""
+    if torch.Tag.pointwise in func.tags or func.overloadpacket.__name__ in ("copy_", "_to_copy") \
+            or func.overloadpacket.__name__.startswith("_foreach_"):
+        return False
+    dtypes = {t.dtype for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    return len(dtypes) > 1
+
+
+def _spec(x):
+    if isinstance(x, FakeTensor):
+        return ("fake", tuple(x.shape), tuple(x.stride()), x.dtype)
+    if isinstance(x, torch.Tensor):
+        raise TypeError("a real tensor: not cached")
+    return tuple(_spec(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def _real_refusal(func, args, kwargs) -> str | None:
+    """What the real kernel raises on zeros of these inputs (its first line), or ``None``."""
+    try:
+        key = (func, _spec(args), _spec(tuple(sorted(kwargs.items()))))
+    except TypeError:
+        key = None
+    if key is not None and key in _REFUSALS:
+        return _REFUSALS[key]
+    try:
+        _run_real(func, args, kwargs, cap=_REFUSAL_CAP_BYTES)
+        said = None
+    except Exception as e:  # noqa: BLE001 - its text is the answer
+        text = str(e).strip()
+        said = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+    if key is not None and len(_REFUSALS) < 1024:
+        _REFUSALS[key] = said
+    return said
+
+
+_REFUSALS: dict = {}  # (op, input specs) -> what the real kernel said on zeros of them
 
 
 def run_fake(func, args, kwargs):
@@ -110,22 +200,34 @@ def run_fake(func, args, kwargs):
 
     Raises:
         FakeKernelError: the fake kernel raised and the real one did too (or
-            could not be tried); data-dependent errors pass through as they are.
+            could not be tried), or the fake kernel took operands of mixed
+            dtypes that the real one refuses; data-dependent errors pass
+            through as they are where real values cannot size the output.
     """
+    name = f"{func.namespace}.{func.overloadpacket.__name__}"
     try:
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
     except Exception as e:
-        if _data_dependent(e) or not isinstance(e, (RuntimeError, ValueError, IndexError, TypeError)):
+        if _data_dependent(e):
+            out = _sized_by_real_values(func, args, kwargs)
+            if out is None:
+                raise
+            return out
+        if not isinstance(e, (RuntimeError, ValueError, IndexError, TypeError)):
             raise
         # only the text is kept: the exception's traceback holds this frame's tensors, and
         # the trace runs with the garbage collector off (a cycle would keep them to the end)
         text = str(e).strip()
         error = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+    else:
+        refused = _real_refusal(func, args, kwargs) if _mixed_floats(func, args, kwargs) else None
+        if refused is None:
+            return out
+        raise FakeKernelError(name, refused, "refused")
     rule = RULES.get(func)
     out = rule(*args, **kwargs) if rule is not None else None
     if out is not None:
         return out
-    name = f"{func.namespace}.{func.overloadpacket.__name__}"
     real = "untried"
     try:
         out = _follow_real(func, args, kwargs)

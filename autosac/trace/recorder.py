@@ -155,6 +155,10 @@ def run_op(func, args, kwargs, made_in_trace=lambda t: False, fake_mode=None, sm
         args, kwargs = tree_map(lambda a: twins.get(id(a), a) if isinstance(a, torch.Tensor) else a, (args, kwargs))
         return run_fake(func, args, kwargs)
     tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+    if small_values and func.overloadpacket.__name__ in VALUE_FREE_OPS:
+        made = _made_from_shapes(func, args, kwargs)
+        if made is not None:
+            return made
     if not small_values or any(isinstance(t, FakeTensor) or t.requires_grad or t.device.type != "cpu"
                                for t in tensors):
         return run_fake(func, with_long_indices(func, args, routed), kwargs)
@@ -171,6 +175,26 @@ def run_op(func, args, kwargs, made_in_trace=lambda t: False, fake_mode=None, sm
     if from_routing:
         routed.mark(out)
     return out
+
+
+# Ops whose output values are set by the op, not read from their tensor input
+# (only its shape, dtype and device are): a small one on the cpu is made for
+# real from a fake input, so lengths computed from it (``ones_like(audio,
+# dtype=long).sum(-1)``, transformers' CTC heads) are values the trace has.
+VALUE_FREE_OPS = frozenset({"ones_like", "zeros_like", "full_like", "new_ones", "new_zeros", "new_full"})
+
+
+def _made_from_shapes(func, args, kwargs):
+    """A :data:`VALUE_FREE_OPS` op's output, made for real from an empty twin of
+    its fake input when small and on the cpu; ``None`` otherwise."""
+    x = args[0] if args else None
+    if not isinstance(x, FakeTensor) or any(isinstance(a, torch.Tensor) for a in tree_leaves((args[1:], kwargs))):
+        return None
+    fake = func(*args, **kwargs)
+    if not isinstance(fake, torch.Tensor) or fake.device.type != "cpu" or fake.numel() > SMALL_NUMEL:
+        return fake
+    with unset_fake_temporarily():
+        return func(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype), *args[1:], **kwargs)
 
 
 # Kernels whose outputs the meta kernel sizes unlike the real one: their output

@@ -484,7 +484,8 @@ def _run_forward(model: nn.Module, args: tuple, kwargs: dict, recorder: StepReco
             ) from None
         first = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else ""
         kind = "" if isinstance(e, FakeKernelError) else f"{type(e).__name__}: "
-        where = f" in {e.op} (its real kernel refuses them too)" if isinstance(e, FakeKernelError) else ""
+        where = f" in {e.op} (its real kernel refuses them{'' if e.real == 'refused' else ' too'})" \
+            if isinstance(e, FakeKernelError) else ""
         raise TraceError(
             f"forward of module '{name}' ({type(mod).__name__}) raised {kind}{first}{where}"
             " -- check that example_inputs fit the model"

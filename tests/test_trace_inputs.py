@@ -1,0 +1,113 @@
+"""The trace fails where the real step fails, and runs where it runs: inputs
+whose dtype the model's kernels refuse, and CTC losses, whose output sizes
+follow the (real) target lengths that fake kernels cannot read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autosac
+from autosac.trace.step import TraceError
+from suite import check_model, seeded
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+
+
+def test_float64_inputs_to_a_float32_model_fail_as_the_real_step_fails():
+    model, x = _mlp(), torch.randn(4, 8, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        model(x)
+    with pytest.raises(TraceError, match=r"module '0' \(Linear\) raised RuntimeError: mat1 and mat2 must have the same "
+                                         r"dtype.*aten.addmm.*check that example_inputs fit the model"):
+        autosac.profile(model, (x,), target="cpu")
+
+
+class _Promotes(nn.Module):
+    """Mixed floating dtypes the real kernels take: ``cat`` promotes."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.cat([self.fc(x), x.double()], dim=-1)
+        return h.float().sum(-1)
+
+
+def test_mixed_dtypes_the_real_kernel_takes_still_trace():
+    model, x = _Promotes(), torch.randn(4, 8)
+    stats = autosac.profile(model, (x,), target="cpu")
+    assert stats.peak_bytes > 0
+
+
+class _Acoustic(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(3)])
+        self.head = nn.Linear(64, 12)
+
+    def forward(self, x):
+        return self.head(self.blocks(x)).log_softmax(-1)
+
+
+def _ctc_build():
+    torch.manual_seed(0)
+    model, x = _Acoustic(), torch.randn(4, 100, 64)
+    targets, target_lengths = torch.randint(1, 12, (4, 30)), torch.tensor([30, 25, 20, 12])
+    input_lengths = torch.tensor([100, 90, 80, 70])
+
+    def loss(out):
+        return F.ctc_loss(out.transpose(0, 1), targets, input_lengths, target_lengths)
+
+    return model, x, loss
+
+
+def test_ctc_loss_in_loss_fn_plans_a_step_that_holds():
+    _, _, loss = _ctc_build()
+    build = seeded(lambda: _ctc_build()[:2])
+    rows = check_model("ctc", build, loss_fn=loss, target="cpu", labels=("70%", "least"))
+    assert [r.bitwise for r in rows] == [True, True]
+
+
+def test_nonzero_of_a_fake_tensor_stays_data_dependent():
+    """Sizes read from real lengths are known; sizes read from the fake
+    activations are not: those still say the forward branches on values."""
+    class Picks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.fc(x)[self.fc(x) > 0].sum()
+
+    with pytest.raises(TraceError, match="values"):
+        autosac.profile(Picks(), (torch.randn(4, 8),), target="cpu")
+
+
+def _speech_ctc(kind: str):
+    transformers = pytest.importorskip("transformers")
+    common = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                  conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_feat_extract_layers=2,
+                  vocab_size=12, num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2,
+                  ctc_loss_reduction="mean", layerdrop=0.0,
+                  mask_time_prob=0.0)  # SpecAugment draws from NumPy, which the step comparison does not seed
+    config, model = {"wav2vec2": (transformers.Wav2Vec2Config, transformers.Wav2Vec2ForCTC),
+                     "hubert": (transformers.HubertConfig, transformers.HubertForCTC)}[kind]
+
+    def build():
+        torch.manual_seed(0)
+        inputs = {"input_values": torch.randn(2, 4000), "labels": torch.randint(1, 12, (2, 20))}
+        return model(config(**common)).train(), inputs
+
+    return build
+
+
+@pytest.mark.parametrize("kind", ["wav2vec2", "hubert"])
+def test_transformers_ctc_heads_with_labels_plan_steps_that_hold(kind):
+    rows = check_model(kind, _speech_ctc(kind), loss_fn=lambda out: out.loss, target="cpu", labels=("least",))
+    assert [r.bitwise for r in rows] == [True]
