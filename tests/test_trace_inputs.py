@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from suite import assert_same_step, check_model, seeded
 from torch import nn
 
 import autosac
 from autosac.trace.step import TraceError
-from suite import check_model, seeded
 
 
 def _mlp():
@@ -89,12 +89,12 @@ def test_nonzero_of_a_fake_tensor_stays_data_dependent():
         autosac.profile(Picks(), (torch.randn(4, 8),), target="cpu")
 
 
-def _speech_ctc(kind: str):
+def _speech_ctc(kind: str, layerdrop: float = 0.0):
     transformers = pytest.importorskip("transformers")
     common = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                   conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_feat_extract_layers=2,
                   vocab_size=12, num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2,
-                  ctc_loss_reduction="mean", layerdrop=0.0,
+                  ctc_loss_reduction="mean", layerdrop=layerdrop,
                   mask_time_prob=0.0)  # SpecAugment draws from NumPy, which the step comparison does not seed
     config, model = {"wav2vec2": (transformers.Wav2Vec2Config, transformers.Wav2Vec2ForCTC),
                      "hubert": (transformers.HubertConfig, transformers.HubertForCTC)}[kind]
@@ -111,3 +111,26 @@ def _speech_ctc(kind: str):
 def test_transformers_ctc_heads_with_labels_plan_steps_that_hold(kind):
     rows = check_model(kind, _speech_ctc(kind), loss_fn=lambda out: out.loss, target="cpu", labels=("least",))
     assert [r.bitwise for r in rows] == [True]
+
+
+def test_layerdrop_is_one_line_and_a_plan_made_without_it_holds_with_it():
+    """LayerDrop draws torch.rand([]) per layer and skips by its value: the
+    trace says so in one line; a plan made with every layer running keeps the
+    step bitwise and within budget when layers are skipped."""
+    build = _speech_ctc("wav2vec2", layerdrop=0.5)
+    model, inputs = build()
+    with pytest.raises(TraceError, match=r"random draw .*config.layerdrop=0.0") as caught:
+        autosac.profile(model, inputs, loss_fn=lambda out: out.loss, target="cpu")
+    assert "\n" not in str(caught.value)
+    plan = autosac.solve(_speech_ctc("wav2vec2")()[0], "least", example_inputs=inputs, loss_fn=lambda out: out.loss,
+                         target="cpu")
+    ref, (work, inputs) = build()[0], build()
+    work.load_state_dict(ref.state_dict())
+    autosac.apply(work, plan)
+    assert_same_step(ref, work, inputs, loss_fn=lambda out: out.loss)
+    fresh, inputs = build()
+    autosac.apply(fresh, plan)
+    for seed in range(3):  # different layers skipped
+        torch.manual_seed(seed)
+        peak = autosac.measure(fresh, inputs, loss_fn=lambda out: out.loss, steps=0).peak_bytes
+        assert peak <= plan.budget_bytes, (seed, peak, plan.budget_bytes)

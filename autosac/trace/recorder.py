@@ -457,6 +457,7 @@ class StepRecorder(TorchDispatchMode):
         self.fake_mode = None  # the trace's FakeTensorMode (writes into the model's real tensors go to fakes)
         self.small_values = True  # small cpu ops run for real (see run_op)
         self.routing = RoutingTrace()  # MoE routing decisions get real indices (autosac.trace.routing)
+        self.random_branch = False  # the forward failed reading a value drawn at random (LayerDrop)
 
     # ----------------------------------------------------------- storages
     def track(
@@ -660,7 +661,12 @@ class StepRecorder(TorchDispatchMode):
             return func(*args, **kwargs)
         if self._pending:
             self._flush_pending()
-        ran = run_op(func, args, kwargs, self._made_in_trace, self.fake_mode, self.small_values, self.routing)
+        try:
+            ran = run_op(func, args, kwargs, self._made_in_trace, self.fake_mode, self.small_values, self.routing)
+        except Exception as e:
+            if type(e).__name__ == "DataDependentOutputException" and self._reads_random(args, kwargs):
+                self.random_branch = True
+            raise
         routed = False
         if self.routing.active and self.phase == "forward" and torch._C._current_autograd_node() is None:
             picks = len(self.routing.calls)
@@ -728,6 +734,19 @@ class StepRecorder(TorchDispatchMode):
             # grad_fn is attached above this dispatch level: resolve it at the next op
             self._pending.extend((weakref.ref(t), stack, idx, t._version) for t in outs if t.is_floating_point())
         return out
+
+    def _reads_random(self, args, kwargs) -> bool:
+        """Whether an op reads a value derived from a random op of the forward."""
+        todo, seen = list(self._flow.reads(args, kwargs)), set()
+        while todo:
+            event = todo.pop()
+            if event in seen or event < 0:
+                continue
+            seen.add(event)
+            if self.rec.random[event]:
+                return True
+            todo.extend(self.rec.inputs.get(event, ()))
+        return False
 
     def _loose_scalar_bytes(self, args) -> int:
         """Bytes of real 0-dim cpu tensors the op reads that the trace never saw

@@ -470,6 +470,12 @@ def _run_forward(model: nn.Module, args: tuple, kwargs: dict, recorder: StepReco
             ) from None
         name = where or "(root)"
         mod = model.get_submodule(where) if where else model
+        if recorder.random_branch:
+            raise ValueBranchError(
+                f"forward of module '{name}' ({type(mod).__name__}) branches on a random draw ({e}), as LayerDrop "
+                "skips layers by chance, which a trace cannot follow: plan with it off (transformers: "
+                "config.layerdrop=0.0) and train with it on: a step that skips layers does less than the plan's"
+            ) from None
         if type(e).__name__ in ("DataDependentOutputException", "DynamicOutputShapeException"):
             raise ValueBranchError(
                 f"forward of module '{name}' ({type(mod).__name__}) branches on tensor values ({e}), "
