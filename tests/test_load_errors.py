@@ -4,6 +4,7 @@ in a print, a solve or a forward, and never half-applied."""
 
 import json
 import math
+import os
 import warnings
 from dataclasses import replace
 
@@ -283,3 +284,14 @@ def test_bad_host_figures_are_remeasured_not_raised(tmp_path, monkeypatch):
 def test_host_costs_refuse_infinity():
     with pytest.raises(ValueError, match="op_us must be a number of microseconds, got inf"):
         HostCosts(op_us=float("inf"))
+
+
+def test_the_timing_cache_folder_is_private_under_a_group_writable_umask(tmp_path, monkeypatch, fresh_roofline):
+    """Made 0700 whatever the umask (002 on many systems): a group-writable
+    cache folder would turn the native op's build cache off (autosac.native)."""
+    old = os.umask(0o002)
+    try:
+        _, path = _profile_cpu(tmp_path, monkeypatch, "umask-002")
+    finally:
+        os.umask(old)
+    assert path.exists() and path.parent.stat().st_mode & 0o777 == 0o700

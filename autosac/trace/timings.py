@@ -72,7 +72,7 @@ class TimingCache:
         if not (self._dirty or stale) or self.path is None:
             return
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # private: the native build checks it
             merged = {**_read(self.path)[0], **self.table}  # what other processes added meanwhile
             with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as f:
                 json.dump(merged, f)
