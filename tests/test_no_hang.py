@@ -116,3 +116,37 @@ def test_plans_of_a_model_writing_views_in_place_hold():
     finally:
         faulthandler.cancel_dump_traceback_later()
     assert [(r.bitwise, r.predicted) for r in rows] == [(True, rows[0].measured)]
+
+
+_HARD_MILP = textwrap.dedent("""
+    import numpy as np
+    from scipy import sparse
+    from autosac.solver.backends import solve_highs
+    from autosac.solver.milp import MatrixMILP
+
+    rng = np.random.default_rng(0)
+    n, m = 300, 150  # a random multi-dimensional knapsack: HiGHS runs out a 60 s limit on it
+    A = rng.integers(1, 100, (m, n)).astype(float)
+    milp = MatrixMILP(c=-rng.integers(1, 100, n).astype(float), A=sparse.csr_matrix(A), row_lo=np.full(m, -np.inf),
+                      row_hi=A.sum(1) // 2, lb=np.zeros(n), ub=np.ones(n), integer=np.ones(n), z_index=[], peak_col=None)
+    print("started", flush=True)
+    solve_highs(milp, time_limit_s=60)
+""")
+
+
+def test_ctrl_c_ends_a_highs_solve_promptly():
+    """HiGHS checks no signals: without the worker thread Ctrl-C waited out the time limit."""
+    proc = subprocess.Popen([sys.executable, "-c", _HARD_MILP], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "started"
+        time.sleep(2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a HiGHS solve did not stop within 30 s of Ctrl-C")
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert "KeyboardInterrupt" in err, err[-2000:]

@@ -12,6 +12,7 @@ import math
 import os
 import re
 import tempfile
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -41,18 +42,39 @@ def _gap(obj: float, bound: float) -> float:
     return max(0.0, obj - bound) / max(abs(obj), 1e-9)
 
 
+def interruptible(fn):
+    """``fn()`` on a worker thread, this one waiting in short joins: HiGHS
+    checks no signals (it runs without the GIL), so Ctrl-C would otherwise wait
+    out the solve's time limit.  The interrupted solve ends with its limit."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["out"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            box["error"] = e
+
+    worker = threading.Thread(target=run, name="autosac-highs", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.05)
+    if "error" in box:
+        raise box["error"]
+    return box["out"]
+
+
 def solve_highs(m: MatrixMILP, time_limit_s: float, start: np.ndarray | None = None) -> Solution:
     # SciPy's HiGHS interface takes no starting solution; ``start`` is accepted for symmetry.
     from scipy.optimize import Bounds, LinearConstraint, milp
 
     t0 = time.perf_counter()
-    res = milp(
+    res = interruptible(lambda: milp(
         m.c,
         integrality=m.integer,
         bounds=Bounds(m.lb, m.ub),
         constraints=[LinearConstraint(m.A, m.row_lo, m.row_hi)] if m.A.shape[0] else [],
         options={"time_limit": float(time_limit_s), "mip_rel_gap": GAP, "disp": False},
-    )
+    ))
     dt = time.perf_counter() - t0
     if res.x is None:
         status = "infeasible" if res.status == 2 else ("time_limit" if res.status == 1 else "error")
