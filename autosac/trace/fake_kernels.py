@@ -155,7 +155,11 @@ def _sized_by_real_values(func, args, kwargs):
 
 
 def _mixed_floats(func, args, kwargs) -> bool:
-    """Whether a non-pointwise op reads floating tensors of two or more dtypes."""
+    """Whether a non-pointwise op of the forward (grad enabled, no backward node
+    running: a user's dtype mistake shows there; backward and optimizer ops mix
+    dtypes by design) reads floating tensors of two or more dtypes."""
+    if not torch.is_grad_enabled() or torch._C._current_autograd_node() is not None:
+        return False
     if torch.Tag.pointwise in func.tags or func.overloadpacket.__name__ in ("copy_", "_to_copy") \
             or func.overloadpacket.__name__.startswith("_foreach_"):
         return False
@@ -181,6 +185,8 @@ def _real_refusal(func, args, kwargs) -> str | None:
         return _REFUSALS[key]
     try:
         _run_real(func, args, kwargs, cap=_REFUSAL_CAP_BYTES)
+        said = None
+    except NotImplementedError:  # no CPU kernel (a CUDA-only op): nothing to ask
         said = None
     except Exception as e:  # noqa: BLE001 - its text is the answer
         text = str(e).strip()
