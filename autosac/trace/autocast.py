@@ -125,8 +125,9 @@ class CudaAutocast:
 
     def _cast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``t.to(dtype)``, cached for a float32 leaf that requires grad, as autocast caches."""
-        cacheable = (dtype == self.dtype and t.dtype == torch.float32 and t.is_leaf and t.requires_grad
-                     and not t._is_view() and torch.is_autocast_cache_enabled())
+        # _is_view first: is_leaf reads a view's grad_fn, under the view's lock (see recorder._flush_pending)
+        cacheable = (dtype == self.dtype and t.dtype == torch.float32 and not t._is_view() and t.is_leaf
+                     and t.requires_grad and torch.is_autocast_cache_enabled())
         if not cacheable:
             return t.to(dtype)
         hit = self._cache.get(id(t))
