@@ -69,8 +69,19 @@ def output_tensors(output) -> list[torch.Tensor]:
         elif hasattr(x, "__dataclass_fields__"):
             todo.extend(getattr(x, f, None) for f in x.__dataclass_fields__)
         else:
-            todo.extend(t for t in tree_leaves(x) if t is not x)
+            leaves = [t for t in tree_leaves(x) if t is not x]
+            # an object pytree does not know (transformers' DynamicCache, its layers): what its attributes hold
+            todo.extend(leaves if leaves else _attributes(x))
     return found
+
+
+def _attributes(x) -> list:
+    """The values of an object's instance attributes (none for a type, a
+    module or a function: a model's output holds its parameters only by
+    accident, and they are counted as parameters)."""
+    if isinstance(x, (type, torch.nn.Module)) or callable(x):
+        return []
+    return list(getattr(x, "__dict__", {}).values())
 
 
 ZERO_GRAD = ("after_step", "before_backward")

@@ -125,6 +125,8 @@ def op_bytes(args, kwargs, out) -> int:
 
 
 _MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addbmm"}
+# softmax kernels -> how many leading tensor arguments they copy when not contiguous
+_SOFTMAXES = {"_softmax": 1, "_log_softmax": 1, "_softmax_backward_data": 2, "_log_softmax_backward_data": 2}
 
 
 def _blas_ready(t: torch.Tensor) -> bool:
@@ -140,8 +142,8 @@ def transient_bytes(func, args) -> int:
     """Bytes an op allocates internally and frees before returning, invisible to
     the dispatcher: matmuls copy operands that are not BLAS-strided (e.g. the
     stride-0 gradient of a sum) into contiguous scratch; batch norm's backward
-    works in an input-sized scratch tensor, layer norm's backward copies
-    non-contiguous operands, and foreach ops with a scalar wrap it in a tensor
+    works in an input-sized scratch tensor, layer norm's backward and softmax
+    (forward and backward) copy non-contiguous operands, and foreach ops with a scalar wrap it in a tensor
     (CPU kernels, measured with the profiler's allocator events)."""
     name = func.overloadpacket.__name__
     if name == "native_batch_norm_backward" and len(args) > 1 and isinstance(args[1], torch.Tensor):
@@ -153,6 +155,11 @@ def transient_bytes(func, args) -> int:
         copies = sum(tensor_bytes(t) for t in (grad_out, inp) if isinstance(t, torch.Tensor) and not t.is_contiguous())
         rows = inp.numel() // max(1, inp.shape[-1]) if isinstance(inp, torch.Tensor) and inp.dim() else 0
         return copies + 4 * rows
+    if name in _SOFTMAXES:
+        # the kernels (CPU and CUDA) work on contiguous copies of a non-contiguous input
+        # (a channels-last conv's logits), and of the gradient and output in the backward
+        copies = args[:_SOFTMAXES[name]]
+        return sum(tensor_bytes(t) for t in copies if isinstance(t, torch.Tensor) and not t.is_contiguous())
     if name in _FUSED_ATTENTION_BACKWARD and len(args) > 2:
         return _attention_backward_scratch(name, args[1], args[2])
     if name.startswith("_foreach_") and any(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args):

@@ -22,7 +22,7 @@ from functools import cache, lru_cache
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 
 from autosac.allocations import allocation_peak
@@ -31,6 +31,7 @@ from autosac.errors import ProfilerBusyError
 from autosac.opkinds import is_param_cast, is_random_op, is_view_op, writes_input, written_tensors
 from autosac.trace.costs import CostModel, transient_bytes
 from autosac.trace.fake_kernels import run_fake
+from autosac.trace.layouts import restrides, with_kernel_strides
 from autosac.trace.routing import ROUTED_NUMEL, RoutingTrace, with_long_indices
 
 Stack = tuple[str, ...]
@@ -101,9 +102,12 @@ SUGGESTED_FORMAT_OPS = {"native_batch_norm": 0, "_native_batch_norm_legit": 0,
                         "_native_batch_norm_legit_no_training": 0, "native_batch_norm_backward": 1}
 
 
-def with_kernel_layout(func, args, out):
+def with_kernel_layout(func, args, out, kwargs=None):
     """``out`` with its first tensor laid out as the real kernel lays it out
-    (:data:`SUGGESTED_FORMAT_OPS`); other ops' outputs unchanged."""
+    (:data:`SUGGESTED_FORMAT_OPS`; a view's or pointwise op's size-1 dims,
+    :mod:`autosac.trace.layouts`); other ops' outputs unchanged."""
+    if restrides(func):
+        return with_kernel_strides(func, args, kwargs or {}, out)
     which = SUGGESTED_FORMAT_OPS.get(func.overloadpacket.__name__)
     if which is None or not isinstance(out, tuple) or not out or len(args) <= which:
         return out
@@ -228,6 +232,21 @@ def needs_probe(func, args) -> bool:
     )
 _PROBE_CAP_BYTES = 256 << 20
 _PROBE_CAP_FLOPS = 3e10  # a probe runs the kernel for real: about a second here at most
+
+
+def _without_graph(t):
+    """What a saved-tensor hook keeps of ``t``: an alias with no ``grad_fn``
+    (autograd gives the unpacked tensor its node back).  Kept as ``t`` itself,
+    an output its own node saves (``exp``, ``tanh``, ``sigmoid``) would hold
+    that node, which holds it: a cycle through C++ no collector breaks, so a
+    result no backward reads -- the unused ``std``/``var`` of diffusers'
+    ``DiagonalGaussianDistribution`` -- stayed alive in the trace to the step's
+    end, where the real step frees it with its last reference.  Detached with
+    the dispatch modes off: no op is recorded."""
+    if not isinstance(t, torch.Tensor) or t.grad_fn is None:
+        return t
+    with _disable_current_modes():
+        return t.detach()
 
 
 @dataclass(frozen=True)
@@ -648,7 +667,7 @@ class StepRecorder(TorchDispatchMode):
                 rec.saver_stack = stack if rec.saver_stack is None else common_prefix(rec.saver_stack, stack)
                 rec.saver_stacks.add(stack)
                 rec.saved_as_view = rec.saved_as_view or t._is_view()
-        return t
+        return _without_graph(t)
 
     @staticmethod
     def unpack(t: torch.Tensor) -> torch.Tensor:
@@ -673,7 +692,7 @@ class StepRecorder(TorchDispatchMode):
             ran = self.routing.route(func, args, kwargs, ran, self._stack_t[-1] if self._stack_t else "")
             routed = len(self.routing.calls) > picks or self.routing.reads_routing(
                 a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor))
-        out = with_kernel_layout(func, args, ran)
+        out = with_kernel_layout(func, args, ran, kwargs)
 
         rec = self.rec
         idx = len(rec.ops)
