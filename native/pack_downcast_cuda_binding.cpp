@@ -10,8 +10,8 @@
 
 namespace autosac {
 
-cudaError_t launch_pack_downcast(const float* const* srcs, const int64_t* offsets, int n, int64_t total, void* out,
-                                 bool bf16, int sm_count, cudaStream_t stream);
+cudaError_t launch_pack_downcast(const float* const* srcs, const int64_t* numels, int n, void* out, bool bf16,
+                                 cudaStream_t stream);
 
 static int64_t checked_total(at::TensorList shards, at::ScalarType dtype) {
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf,
@@ -27,35 +27,24 @@ static int64_t checked_total(at::TensorList shards, at::ScalarType dtype) {
   return total;
 }
 
-// One kernel launch writing every shard's downcast elements into `out`.
+// Writes every shard's downcast elements into `out`: one kernel launch per
+// 128 shards, the shards' pointers and sizes passed as the kernel's argument.
 static void pack_into_cuda(at::TensorList shards, at::ScalarType dtype, const at::Tensor& out) {
-  const auto device = shards[0].device();
-  std::vector<at::Tensor> src;
+  c10::cuda::CUDAGuard guard(shards[0].device());
+  std::vector<at::Tensor> src;  // contiguous copies of strided shards live until the kernel is queued
   src.reserve(shards.size());
-  std::vector<int64_t> table(2 * shards.size() + 1, 0);  // pointers, then offsets
-  int64_t total = 0;
-  for (size_t i = 0; i < shards.size(); ++i) {
-    src.push_back(shards[i].contiguous());
-    table[i] = reinterpret_cast<int64_t>(src.back().data_ptr<float>());
-    table[shards.size() + i] = total;
-    total += shards[i].numel();
+  std::vector<const float*> ptrs;
+  ptrs.reserve(shards.size());
+  std::vector<int64_t> numels;
+  numels.reserve(shards.size());
+  for (const auto& t : shards) {
+    src.push_back(t.contiguous());
+    ptrs.push_back(src.back().data_ptr<float>());
+    numels.push_back(t.numel());
   }
-  table[2 * shards.size()] = total;
-  if (total == 0) {
-    return;
-  }
-  c10::cuda::CUDAGuard guard(device);
-  auto host = at::from_blob(table.data(), {static_cast<int64_t>(table.size())}, at::kLong).pin_memory();
-  auto dev = host.to(device, /*non_blocking=*/true);
-  const int64_t* d = dev.data_ptr<int64_t>();
-  const int n = static_cast<int>(shards.size());
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const auto err = launch_pack_downcast(reinterpret_cast<const float* const*>(d), d + n, n, total, out.data_ptr(),
-                                        dtype == at::kBFloat16, sms, stream.stream());
+  const auto err = launch_pack_downcast(ptrs.data(), numels.data(), static_cast<int>(shards.size()), out.data_ptr(),
+                                        dtype == at::kBFloat16, at::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == cudaSuccess, "pack_downcast: CUDA launch failed: ", cudaGetErrorString(err));
-  // the tables must outlive the kernel: tie them to the stream's work
-  dev.record_stream(stream);
 }
 
 at::Tensor pack_downcast_cuda(at::TensorList shards, at::ScalarType dtype) {

@@ -356,3 +356,51 @@ def test_a_build_others_could_have_written_is_not_loaded(tmp_path, how):
     assert done.stdout.split() == ["False"], done.stderr[-2000:]
     said = [line for line in done.stderr.splitlines() if "autosac:" in line]
     assert len(said) == 1 and why in said[0] and "PyTorch fallback" in said[0], done.stderr[-2000:]
+
+
+# -- the CUDA kernel: compiled here with nvcc, run where there is a GPU ---------------------------------------
+
+def _nvcc(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90", "-Xcompiler", "-Wall,-Wextra", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_the_cuda_kernel_compiles_without_warnings_and_reads_its_table_in_place(tmp_path):
+    """The shard table is the kernel's argument: copied to a stack frame per thread it would cost bandwidth."""
+    done = _nvcc("-Xptxas", "-v", "-c", str(native.SOURCES / "pack_downcast_cuda.cu"), "-o", str(tmp_path / "k.o"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "warning" not in done.stderr.lower(), done.stderr[-2000:]
+    frames = [line.strip() for line in done.stderr.splitlines() if "stack frame" in line]
+    assert len(frames) == 2 and all(f.startswith("0 bytes stack frame, 0 bytes spill") for f in frames), frames
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_the_standalone_cuda_check_compiles(tmp_path):
+    """benchmarks/pack_downcast_cuda_check.cu (run on a GPU host) includes the kernel's source."""
+    check = native.SOURCES.parent / "benchmarks" / "pack_downcast_cuda_check.cu"
+    done = _nvcc("-DAUTOSAC_PACK_MAX_GRID=3", "-c", str(check), "-o", str(tmp_path / "c.o"))
+    assert done.returncode == 0 and "warning" not in done.stderr.lower(), done.stderr[-2000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_cuda_kernel_is_bitwise_at_every_alignment_and_size(dtype):
+    """Sources at every 4-byte offset, outputs at every 2-byte offset, sizes around the vector width (4)
+    and the chunk (4096), strided tensors, and more tensors than one launch takes."""
+    if not native.has_cuda_kernel():
+        pytest.skip("the native op was built without its CUDA kernel")
+    torch.manual_seed(4)
+    tensors = [_special_values().cuda()]
+    for i, n in enumerate((0, 1, 2, 3, 5, 7, 33, 1025, 4095, 4096, 4097, 4099, 8193, 12291, 100_003)):
+        tensors.append((torch.randn(n + 4, device="cuda") * 1e3)[i % 4: i % 4 + n])
+    tensors += [torch.randn(37, 129, device="cuda").t(), torch.randn(5, 2, device="cuda")[:, 1]]
+    tensors += [torch.randn(int(n), device="cuda") for n in torch.randint(0, 50, (300,))]
+    ref = _bits(_reference(tensors, dtype))
+    total = ref.numel()
+    for shift in range(4):
+        buffer = torch.full((total + 8,), 7.0, dtype=dtype, device="cuda")
+        ops.pack_downcast(tensors, dtype, out=buffer[shift: shift + total])
+        assert torch.equal(_bits(buffer[shift: shift + total]), ref), shift
+        assert (buffer[:shift] == 7).all() and (buffer[shift + total:] == 7).all()  # nothing written outside
+    assert torch.equal(_bits(ops.pack_downcast(tensors, dtype)), ref)
