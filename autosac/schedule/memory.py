@@ -24,7 +24,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+try:
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+except ImportError:  # torch < 2.13: the node's own hint
+    optimization_hint = None
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -233,8 +237,10 @@ def _symbolic(value) -> bool:
 
 def _hint(value):
     """A symbolic number's value in the trace (no guard is added); others as they are."""
-    if isinstance(value, torch.SymInt):
+    if isinstance(value, torch.SymInt) and optimization_hint is not None:
         return optimization_hint(value)
+    if isinstance(value, torch.SymInt):
+        return value.node.hint
     if isinstance(value, (torch.SymFloat, torch.SymBool)):
         return value.node.hint
     return value
