@@ -62,7 +62,10 @@ def solve(
             to plan for ``torch.compile(model, backend=compile)``: the compiled step is
             traced (fake mode) with each candidate plan applied and the budget lowered
             until the compiled peak fits (:mod:`autosac.compile_fit`).  Needs the model
-            (not stats), ``target="cpu"``, one process, no autocast.  ``None`` plans
+            (not stats) and one process; a CPU or CUDA target, with or without
+            ``autocast`` (a CUDA target's compiled step is traced with CUDA's casts
+            and attention kernels and inductor's CPU code: no GPU is needed to
+            plan).  ``None`` plans
             the eager step.
 
     Returns:

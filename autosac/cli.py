@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reserve", default=None, help="headroom to keep free, e.g. 2GiB")
     p.add_argument("--json", default=None, help="write the plan to this file")
     p.add_argument("--compile", default=None, metavar="BACKEND",
-                   help="plan for torch.compile(model, backend=BACKEND): inductor or aot_eager (with --target cpu)")
+                   help="plan for torch.compile(model, backend=BACKEND): inductor or aot_eager (one process)")
     p.set_defaults(func=cmd_plan)
     s = sub.add_parser("sweep", help="plan for several budgets from one profile")
     _model_options(s)

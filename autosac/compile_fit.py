@@ -19,8 +19,11 @@ Example::
 
 from __future__ import annotations
 
+import torch
+
 from autosac.applier import applied_plan, apply, unapply
 from autosac.budget import format_bytes, is_least
+from autosac.devices import DeviceSpec
 from autosac.errors import InfeasibleBudgetError
 from autosac.plan import Plan
 from autosac.solver import solve_stats, usable_budget
@@ -51,7 +54,9 @@ def fit_for_compile(model, stats: ModelStats, budget, example_inputs, *, backend
     Args:
         model: the model ``stats`` was profiled from, without a plan applied: each
             candidate plan is applied while its compiled step is traced, and removed.
-        stats: its profile (``target="cpu"``, one process, no autocast).
+        stats: its profile (one process; a CPU or CUDA target, autocast or not: the
+            compiled step is traced on its target and autocast,
+            :func:`autosac.trace.compiled.compiled_peak`).
         budget, reserve: as :func:`autosac.solve` takes them.
         example_inputs, loss_fn, optimizer: as given to the profile.
         backend: one of :data:`COMPILE_BACKENDS`.
@@ -94,7 +99,7 @@ def fit_for_compile(model, stats: ModelStats, budget, example_inputs, *, backend
                 break
             lowest = inner = e.min_feasible_bytes  # try the least-peak plan itself
             continue
-        peak = _compiled_peak_of(model, plan, example_inputs, loss_fn, optimizer, backend)
+        peak = _compiled_peak_of(model, plan, example_inputs, loss_fn, optimizer, backend, stats)
         peak += stats.checkpoint_state_bytes * len(plan.decisions)  # RNG state a graph-broken region keeps
         peaks.append(peak)
         if peak <= budget_bytes:
@@ -140,12 +145,16 @@ def _widest_gap_middle(points: list[int], tolerance: int) -> int | None:
     return middle if width > tolerance else None
 
 
-def _compiled_peak_of(model, plan: Plan, example_inputs, loss_fn, optimizer, backend: str) -> int:
-    """The compiled step's peak with ``plan`` applied; the model is left without a plan."""
+def _compiled_peak_of(model, plan: Plan, example_inputs, loss_fn, optimizer, backend: str,
+                      stats: ModelStats) -> int:
+    """The compiled step's peak with ``plan`` applied, on the profile's target
+    and autocast; the model is left without a plan."""
+    target = DeviceSpec.from_dict(stats.target)
+    autocast = getattr(torch, stats.autocast) if stats.autocast else None
     apply(model, plan)
     try:
-        return compiled_peak(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer,
-                             backend=backend, output_held=plan.output_held).peak_bytes
+        return compiled_peak(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, backend=backend,
+                             output_held=plan.output_held, target=target, autocast=autocast).peak_bytes
     finally:
         unapply(model)
 
@@ -162,9 +171,11 @@ def check_stats(stats: ModelStats) -> None:
 
 
 def check_setting(device_type: str | None, world_size: int, autocast: bool) -> None:
-    """Raises ValueError unless ``target``'s device type, ``world_size`` and ``autocast`` allow plans for compile."""
-    if device_type != "cpu" or world_size != 1 or autocast:
+    """Raises ValueError unless ``target``'s device type, ``world_size`` and
+    ``autocast`` allow plans for compile: one process, on a CPU or CUDA target,
+    with or without autocast."""
+    if device_type not in ("cpu", "cuda") or world_size != 1:
         raise ValueError(
-            "compile= plans are traced for target='cpu', world_size=1 and no autocast: a GPU target's kernels and "
-            "FSDP2's collectives are not reproduced in a compiled fake-mode trace"
+            "compile= plans are traced for one process (world_size=1) on a cpu or CUDA target: FSDP2's "
+            "collectives are not reproduced in a compiled fake-mode trace"
         )

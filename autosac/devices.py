@@ -34,6 +34,9 @@ class DeviceSpec:
     checkpointing adds (:class:`autosac.host.HostCosts`); ``None`` measures
     the machine that profiles (:func:`autosac.host.calibrate`) -- state
     another host's figures when planning for it from elsewhere.
+    ``workspace_bytes``: library memory a training step keeps on the device
+    besides its tensors (:func:`library_workspace_bytes`; ``None``: from
+    ``device_type`` and ``capability``).
 
     Example::
 
@@ -52,6 +55,7 @@ class DeviceSpec:
     device_type: str = "cuda"
     capability: tuple[int, int] = (9, 0)
     host: HostCosts | None = None
+    workspace_bytes: int | None = None
 
     def peak_flops(self, dtype: torch.dtype) -> float:
         """Dense FLOP/s for ``dtype``; float32 figures stand in for unknown dtypes."""
@@ -71,6 +75,33 @@ class DeviceSpec:
         if isinstance(data.get("host"), dict):
             data["host"] = HostCosts(**data["host"])
         return cls(**data)
+
+
+MIB = 1 << 20
+# cuBLAS's workspace as PyTorch sizes it: 32 MiB on Hopper and later, else
+# 4096 KiB x 2 + 16 KiB x 8 (PyTorch's default CUBLAS_WORKSPACE_CONFIG).
+_CUBLAS_WORKSPACE = {True: 32 * MIB, False: 2 * 4096 * 1024 + 8 * 16 * 1024}
+# PyTorch keeps one per (thread, stream): a training step's matmuls run on two
+# threads, the forward's and autograd's device thread
+_CUBLAS_THREADS = 2
+
+
+def library_workspace_bytes(spec: DeviceSpec) -> int:
+    """Device memory a training step keeps besides its tensors: on a CUDA
+    target, cuBLAS's workspaces (made by the first matmul of each thread and
+    kept for the process: 64 MiB on an H100, where about 65 MiB stayed
+    allocated after a first step, ../shared/gpu/2026-11-25); none on a CPU.
+
+    Example::
+
+        >>> library_workspace_bytes(DEVICES["h100"]) // 2**20
+        64
+    """
+    if spec.workspace_bytes is not None:
+        return spec.workspace_bytes
+    if spec.device_type != "cuda":
+        return 0
+    return _CUBLAS_THREADS * _CUBLAS_WORKSPACE[spec.capability >= (9, 0)]
 
 
 def _gpu(

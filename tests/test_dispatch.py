@@ -122,7 +122,7 @@ def test_verify_refuses_a_gpu_plan_where_there_is_no_gpu(tmp_path, capsys):
 
     path = str(tmp_path / "p.json")
     common = ["--model", "gpt-tiny", "--batch", "2", "--seq", "64"]
-    assert main(["plan", *common, "--target", "h100", "--budget", "99%", "--json", path]) == 0
+    assert main(["plan", *common, "--target", "h100", "--budget", "least", "--json", path]) == 0
     capsys.readouterr()
     assert main(["verify", path, *common, "--steps", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -17,8 +17,14 @@ peak matched the CPU allocator's to the byte (``tests/test_compile.py``);
 code on the fake tensors with its fused kernels skipped
 (:mod:`autosac.trace.inductor`): the buffers it allocates, views and frees
 are the step's memory.  Only bytes are kept: ops are priced by a roofline,
-never timed.  Compiled traces are for CPU targets: a GPU's compiled code
-(other kernels, other allocations) is not traced here.
+never timed.
+
+For a CUDA target (``target=``) the step is traced as the eager trace of that
+target runs it -- CUDA autocast's casts, CUDA's attention and dropout kernels
+(:mod:`autosac.trace.dispatch`), cuBLAS's workspaces -- while inductor
+generates its CPU code: the buffers of a Triton kernel's fusions are not
+reproduced (what a GPU's generated code allocates beyond its graphs' tensors
+is measured on a GPU: ``benchmarks/gpu_compile.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from autosac.devices import DEVICES
+from autosac.devices import DEVICES, DeviceSpec, resolve_target
+from autosac.host import HostCosts
 from autosac.trace.aggregate import memory_timeline, peak_breakdown
 from autosac.trace.costs import CostModel
 from autosac.trace.inductor import inductor_on_fake_tensors
@@ -66,6 +73,8 @@ def compiled_peak(
     optimizer="adamw",
     backend: str = "aot_eager",
     output_held: bool = True,
+    target: str | DeviceSpec | None = None,
+    autocast: torch.dtype | None = None,
 ) -> CompiledPeak:
     """The peak of one steady-state training step of ``torch.compile(model, backend=backend)``.
 
@@ -81,13 +90,18 @@ def compiled_peak(
         loss_fn, optimizer, output_held: as :func:`autosac.profile`.
         backend: ``"inductor"`` (``torch.compile``'s default), ``"aot_eager"`` or
             ``"aot_eager_decomp_partition"``.
+        target: the device the step runs on, as :func:`autosac.profile` takes it;
+            ``None`` (or a CPU target): the CPU's kernels.  A CUDA target's
+            kernels and casts are traced as the module docstring says.
+        autocast: the dtype the forward and loss run under ``torch.autocast`` in.
 
     Returns:
         CompiledPeak.
 
     Raises:
         ValueError: another backend, a model already wrapped by ``torch.compile``, or
-            (``"inductor"``) a model or inputs on a device other than cpu or meta.
+            (``"inductor"``) a model or inputs on a device other than cpu or meta
+            (or cuda, for a CUDA target).
         TraceError: the compiled forward, the loss or the backward raised.
 
     Dynamo's caches for the code this compiled are cleared afterwards (a
@@ -103,18 +117,20 @@ def compiled_peak(
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         raise ValueError("pass the model itself, not torch.compile(model): the compiled step is traced from it")
     inductor = backend == "inductor"  # its fused kernels are skipped in the trace: no values computed
+    spec = _kernels_of(target)
     if inductor:
         devices = {t.device.type for t in (*model.parameters(), *model.buffers(), *tree_leaves(example_inputs))
                    if isinstance(t, torch.Tensor)}
-        if not devices <= {"cpu", "meta"}:
-            raise ValueError(f"inductor's compiled step is traced for cpu (or meta) models, not {sorted(devices)}: "
-                             "a GPU's generated kernels are not reproduced")
-    cost = CostModel(_CPU_KERNELS_UNTIMED)
+        allowed = {"cpu", "meta", "cuda"} if spec.device_type == "cuda" else {"cpu", "meta"}
+        if not devices <= allowed:
+            raise ValueError(f"inductor's compiled step is traced for {' or '.join(sorted(allowed))} models, not "
+                             f"{sorted(devices)}: pass the target the model trains on (target='h100', say)")
+    cost = CostModel(spec)
     try:
         with _dynamo_caches_cleared(), (inductor_on_fake_tensors() if inductor else nullcontext()):
             step = trace_step(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, cost_model=cost,
                               compile_backend=TRACED_AS[backend], small_values=not inductor,
-                              output_held=output_held)
+                              output_held=output_held, autocast=autocast)
     finally:
         cost.finish()
     rec = step.recording
@@ -123,6 +139,17 @@ def compiled_peak(
     peak = int(live[at]) if len(live) else 0
     phase = rec.phases[at] if len(live) else "forward"
     return CompiledPeak(peak, phase, peak_breakdown(rec, at), backend)
+
+
+def _kernels_of(target) -> DeviceSpec:
+    """The spec a compiled trace runs under: ``target``'s kernels (a roofline
+    prices them: only bytes are kept), the CPU's when there is none."""
+    if target is None:
+        return _CPU_KERNELS_UNTIMED
+    spec = resolve_target(target)
+    if spec.device_type != "cuda":
+        return _CPU_KERNELS_UNTIMED
+    return replace(spec, measured=False, host=HostCosts())
 
 
 @contextmanager

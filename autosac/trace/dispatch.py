@@ -98,8 +98,9 @@ class TargetDispatch(TorchFunctionMode):
 
     def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
               enable_gqa=False):
-        if self.autocast is not None and torch.is_autocast_enabled("cpu"):
-            # CUDA autocast casts the inputs before the backend is chosen (by their dtype)
+        if self.autocast is not None and torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling():
+            # CUDA autocast casts the inputs before the backend is chosen (by their dtype); under
+            # torch.compile (a compiled plan's trace) Dynamo applies autocast to the graph itself
             (query, key, value, attn_mask), _ = self.autocast.cast_args(
                 aten.scaled_dot_product_attention.default, (query, key, value, attn_mask), {})
         gqa = bool(enable_gqa) and query.size(-3) != key.size(-3)

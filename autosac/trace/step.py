@@ -19,6 +19,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from autosac.devices import library_workspace_bytes
 from autosac.errors import NothingToCheckpointError, TraceError
 from autosac.inputs import split_inputs
 from autosac.integrations import caches_off
@@ -144,6 +145,9 @@ def trace_step(
                 step = _trace_routed(once, routing, before)
     finally:
         before.install()
+    workspace = library_workspace_bytes(cost_model.spec) if cost_model is not None else 0
+    if workspace:  # alive from before the step to after it, as every step finds it
+        step.recording.storages.append(StorageRecord(workspace, "workspace", -1))
     return step
 
 
