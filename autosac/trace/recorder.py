@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_leaves, tree_map
 
 from autosac.allocations import allocation_peak
-from autosac.dataflow import DataflowTracker
+from autosac.dataflow import DataflowTracker, tensors_in
 from autosac.errors import ProfilerBusyError
 from autosac.opkinds import is_param_cast, is_random_op, is_view_op, writes_input, written_tensors
 from autosac.trace.costs import CostModel, transient_bytes
@@ -89,6 +89,7 @@ class Recording:
 
 
 SMALL_NUMEL = 1 << 16  # tensors this small (and on the cpu) may be computed for real
+_TRACE_DEVICES = ("cpu", "meta")  # the trace's fakes are on the cpu; a real meta tensor is a fake's equal
 
 
 # Ops whose kernels (CPU and CUDA) lay their first output out in the input's
@@ -476,6 +477,7 @@ class StepRecorder(TorchDispatchMode):
         self.fake_mode = None  # the trace's FakeTensorMode (writes into the model's real tensors go to fakes)
         self.small_values = True  # small cpu ops run for real (see run_op)
         self.routing = RoutingTrace()  # MoE routing decisions get real indices (autosac.trace.routing)
+        self._twins: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # real tensors of another device -> cpu twin
         self.random_branch = False  # the forward failed reading a value drawn at random (LayerDrop)
 
     # ----------------------------------------------------------- storages
@@ -678,6 +680,8 @@ class StepRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.namespace in ("prim", "profiler"):
             return func(*args, **kwargs)
+        if any(not isinstance(t, FakeTensor) and t.device.type not in _TRACE_DEVICES for t in tensors_in(args, kwargs)):
+            args, kwargs = self._on_trace_device(args, kwargs)
         if self._pending:
             self._flush_pending()
         try:
@@ -753,6 +757,27 @@ class StepRecorder(TorchDispatchMode):
             # grad_fn is attached above this dispatch level: resolve it at the next op
             self._pending.extend((weakref.ref(t), stack, idx, t._version) for t in outs if t.is_floating_point())
         return out
+
+    def _on_trace_device(self, args, kwargs):
+        """The arguments with each real tensor of another device (labels a
+        ``loss_fn`` closes over on the GPU, a mask kept as a plain attribute)
+        as the trace's twin of it on the cpu, where its fakes are: small
+        integer ones copied (their values read as the real step reads them),
+        the others fake; the same twin each time."""
+        def twin(t):
+            if not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor) or t.device.type in _TRACE_DEVICES:
+                return t
+            key = id(t)
+            if key not in self._twins:
+                if not t.is_floating_point() and not t.is_complex() and t.numel() <= SMALL_NUMEL:
+                    with unset_fake_temporarily():
+                        made = t.detach().to("cpu")
+                else:
+                    made = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+                self._twins[key] = (t, made)  # t kept: its id is not reused while the twin is known
+            return self._twins[key][1]
+
+        return tree_map(twin, (args, kwargs))
 
     def _reads_random(self, args, kwargs) -> bool:
         """Whether an op reads a value derived from a random op of the forward."""
