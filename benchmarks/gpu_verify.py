@@ -194,8 +194,8 @@ def main(path):
             out.append(f"\n{label}: FAILED\n```\n{traceback.format_exc()[-2000:]}\n```")
             traceback.print_exc()
         torch.cuda.empty_cache()
-    with open(path, "w") as f:
-        f.write("\n".join(out) + "\n")
+        with open(path, "w") as f:  # after each model: a run cut short keeps what it measured
+            f.write("\n".join(out) + "\n")
     print("\n".join(out))
 
 

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Every GPU measurement the project claims, in about five minutes on one H100.
+#
+#   bash benchmarks/gpu_check.sh            # from the repository root, on a machine with a CUDA GPU
+#   FULL=1 bash benchmarks/gpu_check.sh     # the whole compiled comparison (gpt2 and Llama, three fractions): longer
+#
+# Writes benchmarks/results/gpu-<date>/ (and copies it under $OUT when that is set, as the
+# project's GPU runner collects it):
+#   summary.txt               device, torch, Python, each step's exit status and seconds
+#   all.log                   everything the steps printed
+#   tests.txt                 tests/test_gpu.py (the GPU findings: CUDA labels in loss_fn, memory
+#                             history during a planned backward, the cuBLAS workspace counted)
+#   pack_downcast_cuda.json   the native cast's CUDA kernel: bitwise, GB/s against a plain copy
+#   gpu_verify.md             eager plans: predicted against measured peak and step, bitwise
+#   gpu_compile.md            compiled plans against torch.compile's activation_memory_budget
+#   gpu_overhead.txt          plans against torch.utils.checkpoint and torch's SAC at their peaks
+# Each step has a time limit; one that runs out is said so in summary.txt, and the others still run.
+# PuLP: where it is missing and .whl/ holds its wheel (carried to the GPU machine), it is installed
+# into /tmp/site first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DATE=$(date +%Y-%m-%d)
+DIR=benchmarks/results/gpu-$DATE
+mkdir -p "$DIR"
+: > "$DIR/all.log"
+if ! python3 -c "import pulp" 2>/dev/null && compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+python3 -c "import torch, platform, datetime; print(datetime.date.today(), torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA DEVICE', 'torch', torch.__version__, 'python', platform.python_version())" > "$DIR/summary.txt" 2>&1
+cat "$DIR/summary.txt"
+
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, and note the outcome
+  local name=$1 limit=$2 start rc
+  shift 2
+  start=$(date +%s)
+  echo "== $name: $*" >> "$DIR/all.log"
+  timeout "$limit" "$@" >> "$DIR/all.log" 2>&1
+  rc=$?
+  local note="exit $rc"
+  [ "$rc" = 124 ] && note="TIMED OUT after $limit s"
+  echo "$name: $note in $(( $(date +%s) - start )) s" | tee -a "$DIR/summary.txt"
+}
+
+step tests 45 sh -c "python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > '$DIR/tests.txt' 2>&1"
+step pack_downcast 40 python3 benchmarks/pack_downcast_cuda.py "$DIR/pack_downcast_cuda.json"
+if [ "${FULL:-0}" = 1 ]; then
+  step gpu_compile 1500 python3 benchmarks/gpu_compile.py "$DIR/gpu_compile.md"
+  step gpu_verify 600 python3 benchmarks/gpu_verify.py "$DIR/gpu_verify.md"
+  step gpu_overhead 600 sh -c "python3 benchmarks/gpu_overhead.py --models gpt2 > '$DIR/gpu_overhead.txt'"
+else
+  step gpu_compile 120 python3 benchmarks/gpu_compile.py "$DIR/gpu_compile.md" --quick
+  step gpu_verify 60 python3 benchmarks/gpu_verify.py "$DIR/gpu_verify.md"
+  step gpu_overhead 30 sh -c "python3 benchmarks/gpu_overhead.py --models gpt2 > '$DIR/gpu_overhead.txt'"
+fi
+if [ -n "${OUT:-}" ]; then
+  mkdir -p "$OUT/gpu-$DATE" && cp "$DIR"/* "$OUT/gpu-$DATE/"
+fi
+echo "results in $DIR"
