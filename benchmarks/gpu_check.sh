@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every GPU measurement the project claims, in about five minutes on one H100.
+# Every GPU measurement the project claims, in about five minutes on one H100 (the steps' limits add
+# up to 355 s; on 2026-11-26 tests, gpu_verify, gpu_compile --quick and gpu_hf_gpt2 took 290 s together).
 #
 #   bash benchmarks/gpu_check.sh            # from the repository root, on a machine with a CUDA GPU
 #   FULL=1 bash benchmarks/gpu_check.sh     # the whole compiled comparison (gpt2 and Llama, three fractions): longer
@@ -10,10 +11,11 @@
 #   all.log                   everything the steps printed
 #   tests.txt                 tests/test_gpu.py (the GPU findings: CUDA labels in loss_fn, memory
 #                             history during a planned backward, the cuBLAS workspace counted)
-#   pack_downcast_cuda.json   the native cast's CUDA kernel: bitwise, GB/s against a plain copy
+#   pack_downcast_cuda_*.json the native cast's CUDA kernel: bitwise, GB/s against a plain copy (and .txt)
 #   gpu_verify.md             eager plans: predicted against measured peak and step, bitwise
 #   gpu_compile.md            compiled plans against torch.compile's activation_memory_budget
 #   gpu_overhead.txt          plans against torch.utils.checkpoint and torch's SAC at their peaks
+#   gpu_hf_gpt2.txt           transformers GPT-2: autosac's plan against its own gradient checkpointing
 # Each step has a time limit; one that runs out is said so in summary.txt, and the others still run.
 # PuLP: where it is missing and .whl/ holds its wheel (carried to the GPU machine), it is installed
 # into /tmp/site first.
@@ -45,7 +47,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, and note t
 }
 
 step tests 45 sh -c "python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > '$DIR/tests.txt' 2>&1"
-step pack_downcast 40 python3 benchmarks/pack_downcast_cuda.py "$DIR/pack_downcast_cuda.json"
+step pack_downcast 40 python3 benchmarks/pack_downcast_cuda.py --out-dir "$DIR"
 if [ "${FULL:-0}" = 1 ]; then
   step gpu_compile 1500 python3 benchmarks/gpu_compile.py "$DIR/gpu_compile.md"
   step gpu_verify 600 python3 benchmarks/gpu_verify.py "$DIR/gpu_verify.md"
@@ -55,6 +57,7 @@ else
   step gpu_verify 60 python3 benchmarks/gpu_verify.py "$DIR/gpu_verify.md"
   step gpu_overhead 30 sh -c "python3 benchmarks/gpu_overhead.py --models gpt2 > '$DIR/gpu_overhead.txt'"
 fi
+step gpu_hf_gpt2 60 sh -c "python3 benchmarks/gpu_hf_gpt2.py > '$DIR/gpu_hf_gpt2.txt'"
 if [ -n "${OUT:-}" ]; then
   mkdir -p "$OUT/gpu-$DATE" && cp "$DIR"/* "$OUT/gpu-$DATE/"
 fi
