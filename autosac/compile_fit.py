@@ -19,6 +19,8 @@ Example::
 
 from __future__ import annotations
 
+from dataclasses import replace as dc_replace
+
 import torch
 
 from autosac.applier import applied_plan, apply, unapply
@@ -31,7 +33,8 @@ from autosac.solver.problem import build_problem
 from autosac.stats import ModelStats
 from autosac.trace.compiled import compiled_peak
 
-__all__ = ["fit_for_compile", "check_backend", "check_stats", "check_setting", "COMPILE_BACKENDS", "MAX_ROUNDS"]
+__all__ = ["fit_for_compile", "fused_recompute_costs", "check_backend", "check_stats", "check_setting",
+           "COMPILE_BACKENDS", "MAX_ROUNDS"]
 
 COMPILE_BACKENDS = ("inductor", "aot_eager")  # backends whose compiled step is traced (trace/compiled.py)
 MAX_ROUNDS = 8
@@ -76,6 +79,7 @@ def fit_for_compile(model, stats: ModelStats, budget, example_inputs, *, backend
     check_stats(stats)
     if applied_plan(model) is not None:
         raise ValueError("the model already has a plan applied: call autosac.unapply(model) before fitting another")
+    stats = fused_recompute_costs(stats)
     # under compile, random ops' outputs are always saved (autosac.applier.compiled): never offered as discards
     problem = build_problem(stats, max_choices, keep_random=True)
     if is_least(budget):
@@ -136,6 +140,39 @@ def fit_for_compile(model, stats: ModelStats, budget, example_inputs, *, backend
     plan.predicted_peak_bytes = peak
     plan.budget_bytes = budget_bytes
     return plan
+
+
+_FUSED_NON_POINTWISE = {"_to_copy", "_unsafe_view", "alias", "detach"}  # a cast, aliases
+
+
+def _fused(name: str, view: bool) -> bool:
+    """Whether inductor fuses a recomputed forward op into the kernel that reads
+    it: pointwise ops (op tag), views and casts; a matmul, attention or a
+    reduction is a kernel of its own, re-run at its cost."""
+    if view or name in _FUSED_NON_POINTWISE:
+        return True
+    packet = getattr(torch.ops.aten, name, None)
+    if packet is None:
+        return False
+    return any(torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads())
+
+
+def fused_recompute_costs(stats: ModelStats) -> ModelStats:
+    """``stats`` as a compiled step recomputes: a forward op inductor fuses into
+    the kernel that reads its result (:func:`_fused`) costs nothing to
+    recompute, so the solver discards pointwise results before a matmul's, as
+    PyTorch's partitioner does; other ops keep their times.  A copy; the
+    baseline step's time is unchanged (``step_ms``)."""
+    tl = stats.timeline
+    views = tl.views or [False] * len(tl.ops)
+    fused = {e for e, (name, phase) in enumerate(zip(tl.ops, tl.phases))
+             if phase == "forward" and _fused(name, views[e])}
+    if not fused:
+        return stats
+    ms = [0.0 if e in fused else t for e, t in enumerate(tl.ms)]
+    ops = [dc_replace(op, ms=0.0) if op.event in fused and all(w in fused for w in op.writer_events) else op
+           for op in stats.saved_ops]
+    return dc_replace(stats, timeline=dc_replace(tl, ms=ms), saved_ops=ops)
 
 
 def _widest_gap_middle(points: list[int], tolerance: int) -> int | None:
