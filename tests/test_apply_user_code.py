@@ -6,10 +6,12 @@ still checkpointed as planned."""
 
 import copy
 import functools
+import gc
 import io
 import pickle
 import types
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -186,3 +188,38 @@ def test_an_applied_model_saves_and_loads_back_checkpointed(copier):
     assert not _recomputes(loaded, x)
     _assert_bitwise(ref, loaded, x)
     assert _recomputes(model, x)  # the original keeps its plan
+
+
+class _Posterior(nn.Module):
+    """A VAE-style posterior: ``std`` is made and never used (diffusers'
+    DiagonalGaussianDistribution makes std and var so)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.dec = nn.Linear(16, 32), nn.Linear(16, 16)
+
+    def forward(self, x):
+        mean, logvar = self.enc(x).chunk(2, -1)
+        self.std = weakref.ref(torch.exp(0.5 * logvar))
+        return self.dec(mean)
+
+
+def test_an_unused_result_its_own_node_saves_is_freed_with_a_plan_applied():
+    """Under autocast the applied model's cast hook sees every saved tensor
+    outside the checkpoints; kept as the tensor itself, ``exp``'s output held
+    its node, which held it: never freed, every step (found by the VAE's
+    prediction gap).  Steps stay bitwise."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*[_Posterior() for _ in range(3)]), torch.randn(64, 16)
+    ref = copy.deepcopy(model)
+    plan = autosac.solve(model, "least", x, target="cpu", autocast=torch.bfloat16)
+    assert plan.param_casts and len(plan.decisions) < 3  # some blocks outside every checkpoint
+    autosac.apply(model, plan)
+    for m in (model, ref):
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                m(x).float().sum().backward()
+    gc.collect()
+    assert [b.std() for b in model] == [None, None, None]
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), name

@@ -10,6 +10,7 @@ backward asks for it (inside checkpointed modules the policy recomputes it).
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from autosac.opkinds import is_param_cast
 
@@ -53,12 +54,21 @@ def _param_behind(t: torch.Tensor) -> torch.nn.Parameter | None:
 
 
 def pack_cast(t: torch.Tensor):
+    """A parameter's cast as what re-makes it; any other activation as an alias
+    without its graph: kept as ``t`` itself, an output its own node saves
+    (``exp``, ``tanh``) would hold that node, which holds it -- a cycle through
+    C++ no collector breaks, so a result whose backward never runs (an unused
+    ``std`` of a posterior) was never freed, a leak every step.  Autograd gives
+    the unpacked alias its node back.  Detached with dispatch modes off: a
+    mode of the caller's sees no op of autosac's."""
     if torch.compiler.is_compiling():  # a compiled graph: the partitioner decides (casts are MUST_RECOMPUTE)
         return t
     if t.requires_grad and t.grad_fn is not None:
         param = _param_behind(t)
         if param is not None:
             return ("autosac-cast", param, t.dtype, t.size(), t.stride(), t.storage_offset())
+        with _disable_current_modes():
+            return t.detach()
     return t
 
 
