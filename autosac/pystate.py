@@ -145,6 +145,8 @@ def _kind_of(kind: type) -> str:
         found = _TUPLE
     elif issubclass(kind, nn.Module):
         found = _MODULE
+    elif (kind.__module__ or "").split(".")[0] == "autosac":
+        found = _SKIP  # autosac's own objects on a module (the applier's policy, forward, hooks): nothing a forward changes
     else:
         found = _OBJECT
     _KINDS[kind] = found

@@ -223,3 +223,24 @@ def test_an_unused_result_its_own_node_saves_is_freed_with_a_plan_applied():
     assert [b.std() for b in model] == [None, None, None]
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+def test_a_checkpointed_call_captures_the_users_state_not_autosacs():
+    """Each checkpointed call records its subtree's Python state (swapped in
+    for the replay): autosac's own policy and forward on the module are not
+    state a forward changes, and walking them doubled the capture's host time
+    (a GPU step is often bound by it)."""
+    from autosac.pystate import capture
+
+    model, x = _net()
+    autosac.apply(model, _plan(model, x))
+    block = model.blocks[0]
+    block.user_state = {"calls": 0}
+    held = {type(obj).__module__.split(".")[0] for obj, _ in capture(block, (x,), {})._saved}
+    kinds = {type(obj).__name__ for obj, _ in capture(block, (x,), {})._saved}
+    assert "autosac" not in held and "partial" not in kinds and "CheckpointedForward" not in kinds, kinds
+    assert "dict" in kinds  # the user's own state still is
+    out = model(x).sum()
+    out.backward()
+    assert copy.deepcopy(model)(x).shape == x.shape  # still copies and runs
+    assert pickle.loads(pickle.dumps(model))(x).shape == x.shape

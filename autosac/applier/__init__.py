@@ -157,10 +157,16 @@ def applied_plan(model: nn.Module) -> Plan | None:
     return None if state is None else state["plan"]
 
 
+class CheckpointedForward(functools.partial):
+    """The forward :func:`apply` sets on a module: a partial of a module-level
+    function (it pickles and deep-copies), of a type of autosac's own, so that
+    :func:`autosac.pystate.capture` does not walk it at every call."""
+
+
 def _wrap_forward(mod: nn.Module, policy: RegionPolicy) -> None:
     """Checkpoint ``mod`` with ``policy``, around what it ran: the ``forward``
     set on the instance, if any (accelerate's hooks), else its class's."""
-    mod.forward = functools.partial(_checkpointed_forward, mod, _own_forward(mod), policy)
+    mod.forward = CheckpointedForward(_checkpointed_forward, mod, _own_forward(mod), policy)
     setattr(mod, POLICY, policy)
 
 
