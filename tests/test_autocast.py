@@ -124,7 +124,9 @@ def test_a_gpu_plan_under_autocast_traces_cuda_casts_and_kernels():
     ops = [op for op, ph in zip(stats.timeline.ops, stats.timeline.phases) if ph in ("forward", "loss")]
     assert "_scaled_dot_product_cudnn_attention" in ops  # bf16 attention on an H100
     assert stats.autocast == "bfloat16" and stats.param_cast_bytes > 0
-    plan = autosac.solve(stats, "60%")
+    # 'least': cuBLAS's 64 MiB workspace, counted on an H100, leaves this tiny model no 60 %
+    plan = autosac.solve(stats, "least")
+    assert plan.decisions and plan.predicted_peak_bytes < stats.peak_bytes
     assert plan.autocast == "bfloat16" and plan.device == "cuda"
     assert autosac.Plan.from_json(plan.to_json()).autocast == "bfloat16"
 

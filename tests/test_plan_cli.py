@@ -100,10 +100,11 @@ def test_cli_plan_prints_decisions_and_writes_json(tmp_path, capsys):
 
 def test_cli_plan_under_autocast_says_so_in_the_plan(tmp_path, capsys):
     path = tmp_path / "p.json"
-    common = ["--model", "llama-tiny", "--batch", "8", "--seq", "64", "--optimizer", "none"]
-    assert main(["plan", *common, "--budget", "80%", "--json", str(path)]) == 0
+    # budget 'least': on the default h100 target cuBLAS's 64 MiB workspace leaves this tiny model no 80 %
+    common = ["--model", "llama-tiny", "--batch", "8", "--seq", "64", "--optimizer", "none", "--budget", "least"]
+    assert main(["plan", *common, "--json", str(path)]) == 0
     fp32 = Plan.load(path)
-    assert main(["plan", *common, "--autocast", "bf16", "--budget", "80%", "--json", str(path)]) == 0
+    assert main(["plan", *common, "--autocast", "bf16", "--json", str(path)]) == 0
     bf16 = Plan.load(path)
     assert (fp32.autocast, bf16.autocast) == ("", "bfloat16")
     assert bf16.baseline_peak_bytes != fp32.baseline_peak_bytes  # traced in other dtypes
@@ -180,7 +181,8 @@ def test_progress_shows_on_a_terminal_only_and_never_with_quiet():
     import os
     import pty
 
-    argv = [sys.executable, "-m", "autosac.cli", "plan", "--model", "gpt-tiny", "--budget", "90%"]
+    # --target cpu: on a CUDA target cuBLAS's 64 MiB workspace leaves gpt-tiny no 90 %
+    argv = [sys.executable, "-m", "autosac.cli", "plan", "--model", "gpt-tiny", "--budget", "90%", "--target", "cpu"]
     piped = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert piped.returncode == 0 and piped.stderr.strip() == ""
     for quiet in (False, True):
@@ -217,7 +219,8 @@ def test_progress_shows_on_a_terminal_only_and_never_with_quiet():
         (["plan", "--budget", "50%", "--model", "gpt-tiny", "--target", "tpu"], "unknown target 'tpu'"),
         (["verify", "/no/such/plan.json"], "No such file"),
         (["plan", "--budget", "50%", "--batch", "-3"], "is not positive"),
-        (["plan", "--budget", "90%", "--model", "gpt-tiny", "--json", "/"], "IsADirectoryError|Errno"),
+        (["plan", "--budget", "90%", "--model", "gpt-tiny", "--target", "cpu", "--json", "/"],
+         "IsADirectoryError|Errno"),
         (["plan", "--budget", "90%", "--model", "gpt-tiny", "--param-dtype", "bf16"], "needs world_size > 1"),
         (["plan", "--budget", "90%", "--model", "gpt-tiny", "--autocast", "fp32"], "invalid choice: 'fp32'"),
     ],
@@ -257,8 +260,10 @@ def test_the_console_entry_point_reports_a_mistake_in_one_line():
         (["plan", "--budget", "50%", "--model", "hf:gpt2", "--model-arg", "n_layer=1", "--model-arg", "vocab_size=0"],
          "needs a positive vocab_size"),
         (["sweep", "--model", "gpt-tiny", "--plot", "/tmp/pareto"], "name a file ending in .png, .svg or .pdf"),
-        (["plan", "--budget", "50%", "--model", "gpt-tiny", "--compile", "aot_eager"], "target='cpu'"),
-        (["plan", "--budget", "50%", "--model", "gpt-tiny", "--compile", "inductor"], "target='cpu'"),
+        (["plan", "--budget", "50%", "--model", "gpt-tiny", "--world-size", "2", "--compile", "aot_eager"],
+         r"one process \(world_size=1\)"),
+        (["plan", "--budget", "50%", "--model", "gpt-tiny", "--world-size", "2", "--compile", "inductor",
+          "--target", "cpu"], r"one process \(world_size=1\)"),
         (["plan", "--budget", "50%", "--model", "gpt-tiny", "--compile", "tensorrt", "--target", "cpu"],
          "compile= must be one of 'inductor', 'aot_eager'"),
     ],
@@ -417,8 +422,9 @@ def test_hf_models_are_built_from_their_config_on_meta_and_planned(name, capsys)
     assert model.config.num_hidden_layers == 2
     if name not in ("llama", "bert"):  # one decoder and one encoder through the whole command
         return
+    # --target cpu: on a CUDA target cuBLAS's 64 MiB workspace leaves these tiny models no 85 %
     code = main(["plan", "--model", f"hf:{name}", *[x for a in args for x in ("--model-arg", a)],
-                 "--batch", "2", "--seq", "128", "--budget", "85%", "--optimizer", "sgd"])
+                 "--batch", "2", "--seq", "128", "--budget", "85%", "--optimizer", "sgd", "--target", "cpu"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert f"model            {type(model).__name__}" in out
@@ -443,8 +449,9 @@ def test_sweep_budgets_mean_what_solve_budgets_mean_sharded_and_with_a_reserve()
 
     model, idx = build_model("gpt2", device="meta", batch=8, n_layer=4, dim=128, n_head=4, seq=256, vocab=512)
     stats = autosac.profile(model, idx, world_size=4)
-    result = sweep(stats, ["80%", "60%"], reserve="1MiB")
-    for text, point in zip(["80%", "60%"], result.points):
+    # 70 %, not 60 %: the h100 peak counts cuBLAS's 64 MiB workspace, which no plan lowers
+    result = sweep(stats, ["80%", "70%"], reserve="1MiB")
+    for text, point in zip(["80%", "70%"], result.points):
         plan = autosac.solve(stats, text, reserve="1MiB")
         assert point.budget_bytes == plan.budget_bytes
         assert point.plan is not None and point.plan.decisions == plan.decisions
@@ -531,7 +538,8 @@ def test_a_factory_next_to_where_the_command_runs_is_found(tmp_path):
     )
     script = shutil.which("autosac")
     assert script is not None
-    proc = subprocess.run([script, "plan", "--model", "here_model:build", "--budget", "90%", "--quiet"],
+    proc = subprocess.run([script, "plan", "--model", "here_model:build", "--budget", "90%", "--target", "cpu",
+                           "--quiet"],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "planned peak" in proc.stdout

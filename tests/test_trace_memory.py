@@ -5,8 +5,12 @@ import torch
 from torch import nn
 
 import autosac
+from autosac.devices import library_workspace_bytes, resolve_target
 
 F32 = 4
+# a CUDA target's live bytes include cuBLAS's workspaces, alive through the whole step
+# (64 MiB on the default target, an h100): the hand counts below add them exactly
+WORKSPACE = library_workspace_bytes(resolve_target("h100"))
 
 
 def _profile(model, x, **kw):
@@ -39,7 +43,7 @@ def test_linear_stack_exact_bytes():
     assert s.modules["0"].output_bytes == 4 * 32 * F32
     assert s.modules["1"].output_bytes == 4 * 8 * F32
     # after forward: params + input + h1 + y
-    assert _forward_end_live(s) == params + (4 * 16 + 4 * 32 + 4 * 8) * F32
+    assert _forward_end_live(s) == WORKSPACE + params + (4 * 16 + 4 * 32 + 4 * 8) * F32
     # h1 is produced in "0" and saved in "1": only the root can discard it
     assert s.modules[""].discardable_bytes == 4 * 32 * F32
     assert s.modules["0"].discardable_bytes == 0
@@ -81,8 +85,8 @@ def test_mlp_relu_saves_only_relu_output():
     assert s.modules[""].saved_bytes_total == act
     relu_event = s.timeline.ops.index("relu")
     # during relu both its input and output are alive
-    assert s.timeline.live_bytes[relu_event] == params + 4 * 16 * F32 + 2 * act
-    assert _forward_end_live(s) == params + 4 * 16 * F32 + act + 4 * 8 * F32
+    assert s.timeline.live_bytes[relu_event] == WORKSPACE + params + 4 * 16 * F32 + 2 * act
+    assert _forward_end_live(s) == WORKSPACE + params + 4 * 16 * F32 + act + 4 * 8 * F32
 
 
 def test_inplace_relu_does_not_double_count():
@@ -91,7 +95,7 @@ def test_inplace_relu_does_not_double_count():
     params = (16 * 64 + 64 + 64 * 8 + 8) * F32
     act = 4 * 64 * F32
     relu_event = s.timeline.ops.index("relu_")
-    assert s.timeline.live_bytes[relu_event] == params + 4 * 16 * F32 + act
+    assert s.timeline.live_bytes[relu_event] == WORKSPACE + params + 4 * 16 * F32 + act
     (op,) = [o for o in s.saved_ops if o.bytes == act]
     assert op.inplace and op.op == "addmm"
     assert [s.timeline.ops[e] for e in op.writer_events] == ["relu_"]
@@ -127,7 +131,9 @@ def test_attention_block_saved_bytes(target):
     # ... and on the cpu the division keeps its divisor, a Python number, as an
     # 8-byte double tensor (on a GPU that tensor is on the host)
     number = 8 if target == "cpu" else 0
-    assert _forward_end_live(s) == params + b * t * d * F32 + qkv + probs + b * t * d * F32 + number
+    workspace = library_workspace_bytes(resolve_target(target))  # none on the cpu
+    assert workspace == (WORKSPACE if target == "h100" else 0)
+    assert _forward_end_live(s) == workspace + params + b * t * d * F32 + qkv + probs + b * t * d * F32 + number
 
 
 def test_module_tree_and_orders():

@@ -201,7 +201,8 @@ def test_bad_input_is_one_clear_error_and_changes_nothing():
     with pytest.raises(ValueError, match="under autocast bfloat16"):
         zero3.install_downcast_gather(model, stats, torch.float16)
     with pytest.raises(ValueError, match="solved without a downcast gather"):
-        zero3.install_downcast_gather(model, autosac.solve(stats, "80%"))
+        # 'least': on the default h100 target cuBLAS's 64 MiB workspace leaves this tiny model no 80 %
+        zero3.install_downcast_gather(model, autosac.solve(stats, "least"))
     with pytest.raises(PlanMismatchError, match="profile this model"):
         zero3.install_downcast_gather(_gpt(n_layer=3)[0], stats)
     with pytest.raises(TypeError, match="ModelStats or autosac.Plan"):
@@ -334,7 +335,7 @@ def test_the_cli_plans_with_downcast_gathers(tmp_path, capsys):
 
     common = ["plan", "--model", "gpt2", "--model-arg", "n_layer=2", "--model-arg", "dim=64", "--model-arg",
               "n_head=4", "--model-arg", "vocab=128", "--seq", "64", "--batch", "4", "--world-size", "2",
-              "--budget", "80%"]
+              "--budget", "least"]  # on the default h100 cuBLAS's 64 MiB workspace leaves this model no 80 %
     assert main([*common, "--autocast", "bf16", "--downcast-gather", "--json", str(tmp_path / "p.json")]) == 0
     out = capsys.readouterr().out
     assert "downcast gather  16 parameters gathered in bfloat16" in out
