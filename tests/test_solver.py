@@ -322,7 +322,7 @@ def test_an_infeasible_budget_below_the_optimizer_state_names_the_remedy():
     with pytest.raises(autosac.InfeasibleBudgetError) as e:
         autosac.solve(stats, floor // 2)
     text = str(e.value)
-    assert "optimizer step alone holds" in text and "world_size" in text and "lighter optimizer" in text
+    assert "optimizer step and cuBLAS's workspaces alone hold" in text and "world_size" in text and "lighter optimizer" in text
     assert e.value.min_feasible_bytes > floor
     # sharded over enough ranks, the same budget is a matter of checkpointing
     sharded = autosac.profile(model, idx, optimizer="adamw", world_size=64)
@@ -381,3 +381,15 @@ def test_an_explicit_cbc_without_cbc_is_one_line_naming_the_fix(shared_mask, mon
     assert "\n" not in str(err.value)
     with pytest.raises(MissingExtraError, match="solver='cbc'"):  # before profiling: this input cannot be traced
         autosac.solve(nn.Linear(4, 4), "60%", torch.randn(2, 5), solver="cbc")
+
+
+def test_an_infeasible_budget_names_the_cublas_workspaces_no_plan_lowers():
+    """A small model on an H100: 64 MiB of its least peak is cuBLAS's
+    workspaces, which the message names beside the optimizer state."""
+    from autosac.models import build_model
+
+    model, idx = build_model("gpt2", device="meta", batch=2, n_layer=2, dim=64, n_head=4, seq=64, vocab=128)
+    stats = autosac.profile(model, idx, target="h100")
+    with pytest.raises(autosac.InfeasibleBudgetError, match=r"cuBLAS's workspaces on the target 64(\.00)? MiB") as e:
+        autosac.solve(stats, "50%")
+    assert "\n" not in str(e.value)

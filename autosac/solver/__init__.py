@@ -243,13 +243,17 @@ def _remedy(stats: ModelStats, budget_bytes: int, least: int) -> str:
     cannot help: say so and name what can."""
     w = stats.world_size
     state = (stats.param_bytes + stats.grad_bytes + stats.optimizer_bytes) / w
-    if state < 0.5 * least:
+    workspace = stats.peak_breakdown.get("workspace", 0)  # a CUDA target's cuBLAS workspaces (autosac.devices)
+    if state + workspace < 0.5 * least:
         return "raise the budget to at least that (budget 'least' plans there)"
     parts = f"params {format_bytes(stats.param_bytes / w)}, grads {format_bytes(stats.grad_bytes / w)}, " \
             f"{stats.optimizer} state {format_bytes(stats.optimizer_bytes / w)}"
-    return (f"the optimizer step alone holds {format_bytes(state)} per rank ({parts}), which no checkpointing "
-            "lowers -- shard over more ranks (world_size), use a lighter optimizer (sgd, or none), or raise the "
-            "budget to at least the least peak (budget 'least' plans there)")
+    if workspace:
+        parts += f", cuBLAS's workspaces on the target {format_bytes(workspace)}"
+    what = "the optimizer step and cuBLAS's workspaces" if workspace else "the optimizer step"
+    return (f"{what} alone hold{'' if workspace else 's'} {format_bytes(state + workspace)} per rank ({parts}), "
+            "which no checkpointing lowers -- shard over more ranks (world_size), use a lighter optimizer (sgd, "
+            "or none), or raise the budget to at least the least peak (budget 'least' plans there)")
 
 
 def _pair(a: int, b: int) -> tuple[str, str]:
