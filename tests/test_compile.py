@@ -282,7 +282,12 @@ def test_below_every_plan_the_error_names_the_least_compiled_peak_seen():
     lowest, _ = least_peak(build_problem(stats))
     with pytest.raises(autosac.InfeasibleBudgetError) as err:
         autosac.solve(model, lowest // 2, idx, optimizer="sgd", target="cpu", compile="aot_eager")
-    least_plan = autosac.solve(stats, lowest)
+    from autosac.compile_fit import fused_recompute_costs
+    from autosac.solver import solve_stats
+
+    priced = fused_recompute_costs(stats)  # the least-peak plan the fitting tries, as it solves it
+    problem = build_problem(priced, 16, keep_random=True)
+    least_plan = solve_stats(priced, least_peak(problem)[0], problem=problem, max_choices=16)
     autosac.apply(model, least_plan)
     compiled = autosac.trace.compiled_peak(model, idx, optimizer="sgd").peak_bytes
     autosac.unapply(model)
