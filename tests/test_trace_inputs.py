@@ -134,3 +134,40 @@ def test_layerdrop_is_one_line_and_a_plan_made_without_it_holds_with_it():
         torch.manual_seed(seed)
         peak = autosac.measure(fresh, inputs, loss_fn=lambda out: out.loss, steps=0).peak_bytes
         assert peak <= plan.budget_bytes, (seed, peak, plan.budget_bytes)
+
+
+class _Unique(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x):
+        values = torch.unique(x)  # its size follows the (fake) values
+        return self.fc(x).sum() + (values[:, None] * self.fc.weight[0]).sum()
+
+
+class _MaskFilledUnderAFakeCondition(nn.Module):
+    def __init__(self, make):
+        super().__init__()
+        self.fc, self.make = nn.Linear(64, 256), make
+
+    def forward(self, x):
+        h = self.fc(x)
+        keep = self.make(h)  # small: made real in the trace
+        keep.masked_fill_(h.mean(-1) > -1e9, True)  # the condition is fake: the write went to a fake twin
+        return h[keep].sum()
+
+
+@pytest.mark.parametrize("model", [
+    _Unique(),
+    _MaskFilledUnderAFakeCondition(lambda h: torch.zeros_like(h[:, 0], dtype=torch.bool)),
+    _MaskFilledUnderAFakeCondition(lambda h: torch.zeros(h.shape[0], dtype=torch.bool)),
+], ids=["unique", "zeros_like-mask", "zeros-mask"])
+def test_sizes_read_off_unknown_values_stay_a_clear_error(model):
+    """Review of the CTC change: zeros and ones of a fake input both give one
+    unique value, and a small real mask written under a fake condition kept
+    its stale values: both traces went on with wrong sizes (predicted 14x and
+    29 % under the measured peak).  Sizes that follow unknown values are one
+    line, as before."""
+    with pytest.raises(TraceError, match="branches on tensor values"):
+        autosac.profile(model, (torch.randn(512, 64),), target="cpu")

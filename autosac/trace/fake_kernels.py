@@ -101,13 +101,18 @@ def _data_dependent(e: Exception) -> bool:
                                 "GuardOnDataDependentSymNode", "UnsupportedOperatorException")
 
 
-def _real_twin(x, fill: float = 0.0):
-    if isinstance(x, FakeTensor):
-        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype).fill_(fill)
-    return x
+def _real_twin(x, fill: float | None = 0.0):
+    """A real tensor for a fake one: ``fill`` everywhere, or (``None``) a ramp
+    of distinct values (as distinct as the dtype holds)."""
+    if not isinstance(x, FakeTensor):
+        return x
+    if fill is None:
+        ramp = torch.arange(x.numel(), dtype=torch.float64).remainder(4093).to(x.dtype)
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype).copy_(ramp.reshape(x.shape))
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype).fill_(fill)
 
 
-def _run_real(func, args, kwargs, fill: float = 0.0, cap: int = _PROBE_CAP_BYTES):
+def _run_real(func, args, kwargs, fill: float | None = 0.0, cap: int = _PROBE_CAP_BYTES):
     """The real CPU kernel on ``fill`` in place of each fake input; ``None``
     when the inputs are over ``cap`` bytes.  Raises what the kernel raises."""
     tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -139,19 +144,21 @@ def _sized_by_real_values(func, args, kwargs):
     """Fake outputs of an op whose output size follows values
     (``dynamic_output_shape``), where those values are all real: only
     floating inputs are fake, and the real kernel sizes its outputs alike on
-    zeros and on ones of them.  ``None`` otherwise (or on any error)."""
+    zeros, on ones and on distinct values in their place (``unique`` of a
+    fake tensor sizes by them: it stays data-dependent).  ``None`` otherwise
+    (or on any error)."""
     if torch.Tag.dynamic_output_shape not in func.tags:
         return None
     fakes = [t for t in tree_leaves((args, kwargs)) if isinstance(t, FakeTensor)]
     if not all(t.is_floating_point() for t in fakes):
         return None
     try:
-        zeros, ones = _run_real(func, args, kwargs, 0.0), _run_real(func, args, kwargs, 1.0)
+        outs = [_run_real(func, args, kwargs, fill) for fill in (0.0, 1.0, None)]
     except Exception:  # noqa: BLE001 - the real kernel refuses: stays data-dependent
         return None
-    if zeros is None or ones is None or _sizes(zeros) != _sizes(ones):
+    if any(o is None for o in outs) or any(_sizes(o) != _sizes(outs[0]) for o in outs[1:]):
         return None
-    return _as_fakes(zeros)
+    return _as_fakes(outs[0])
 
 
 def _mixed_floats(func, args, kwargs) -> bool:

@@ -478,6 +478,7 @@ class StepRecorder(TorchDispatchMode):
         self.small_values = True  # small cpu ops run for real (see run_op)
         self.routing = RoutingTrace()  # MoE routing decisions get real indices (autosac.trace.routing)
         self._twins: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # real tensors of another device -> cpu twin
+        self._stale: dict[int, torch.UntypedStorage] = {}  # real storages a fake op wrote (their values unknown)
         self.random_branch = False  # the forward failed reading a value drawn at random (LayerDrop)
 
     # ----------------------------------------------------------- storages
@@ -682,6 +683,9 @@ class StepRecorder(TorchDispatchMode):
             return func(*args, **kwargs)
         if any(not isinstance(t, FakeTensor) and t.device.type not in _TRACE_DEVICES for t in tensors_in(args, kwargs)):
             args, kwargs = self._on_trace_device(args, kwargs)
+        if self._stale and any(id(t.untyped_storage()) in self._stale for t in tensors_in(args, kwargs)
+                               if not isinstance(t, FakeTensor)):
+            args, kwargs = self._stale_as_fake(args, kwargs)
         if self._pending:
             self._flush_pending()
         try:
@@ -696,6 +700,8 @@ class StepRecorder(TorchDispatchMode):
             ran = self.routing.route(func, args, kwargs, ran, self._stack_t[-1] if self._stack_t else "")
             routed = len(self.routing.calls) > picks or self.routing.reads_routing(
                 a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor))
+        if writes_input(func) and not is_view_op(func):
+            self._note_stale(func, args, kwargs, ran)
         out = with_kernel_layout(func, args, ran, kwargs)
 
         rec = self.rec
@@ -778,6 +784,29 @@ class StepRecorder(TorchDispatchMode):
             return self._twins[key][1]
 
         return tree_map(twin, (args, kwargs))
+
+    def _note_stale(self, func, args, kwargs, ran) -> None:
+        """An in-place op that ran fake wrote a real tensor's fake twin (a mask
+        ``zeros_like`` made small and real, filled under a fake condition): the
+        real tensor's values are stale from now on, and nothing may read them
+        (:meth:`_stale_as_fake`)."""
+        outs = tensors_in(ran)
+        if not outs or not isinstance(outs[0], FakeTensor):
+            return  # it ran for real: the values are right
+        for t in written_tensors(func, args, kwargs):
+            if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor):
+                st = t.untyped_storage()
+                self._stale[id(st)] = st  # kept: its id is not reused while known
+
+    def _stale_as_fake(self, args, kwargs):
+        """The arguments with each stale real tensor as its fake twin, the one
+        the write went to: its values are unknown, as they are."""
+        def fake(t):
+            if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and id(t.untyped_storage()) in self._stale:
+                return self.fake_mode.from_tensor(t)
+            return t
+
+        return tree_map(fake, (args, kwargs))
 
     def _reads_random(self, args, kwargs) -> bool:
         """Whether an op reads a value derived from a random op of the forward."""
