@@ -79,7 +79,8 @@ def fit_for_compile(model, stats: ModelStats, budget, example_inputs, *, backend
     check_stats(stats)
     if applied_plan(model) is not None:
         raise ValueError("the model already has a plan applied: call autosac.unapply(model) before fitting another")
-    stats = fused_recompute_costs(stats)
+    if backend == "inductor":  # aot_eager runs every op as it is: no fusion
+        stats = fused_recompute_costs(stats)
     # under compile, random ops' outputs are always saved (autosac.applier.compiled): never offered as discards
     problem = build_problem(stats, max_choices, keep_random=True)
     if is_least(budget):

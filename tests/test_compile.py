@@ -282,12 +282,10 @@ def test_below_every_plan_the_error_names_the_least_compiled_peak_seen():
     lowest, _ = least_peak(build_problem(stats))
     with pytest.raises(autosac.InfeasibleBudgetError) as err:
         autosac.solve(model, lowest // 2, idx, optimizer="sgd", target="cpu", compile="aot_eager")
-    from autosac.compile_fit import fused_recompute_costs
     from autosac.solver import solve_stats
 
-    priced = fused_recompute_costs(stats)  # the least-peak plan the fitting tries, as it solves it
-    problem = build_problem(priced, 16, keep_random=True)
-    least_plan = solve_stats(priced, least_peak(problem)[0], problem=problem, max_choices=16)
+    problem = build_problem(stats, 16, keep_random=True)  # the least-peak plan the fitting tries, as it solves it
+    least_plan = solve_stats(stats, least_peak(problem)[0], problem=problem, max_choices=16)
     autosac.apply(model, least_plan)
     compiled = autosac.trace.compiled_peak(model, idx, optimizer="sgd").peak_bytes
     autosac.unapply(model)
@@ -379,3 +377,18 @@ def test_compiled_plans_price_fused_recompute_at_nothing():
     discarded = {op.op for d in plan.details.values() for op in d.ops}
     assert plan.recompute_ms < autosac.solve(stats, "90%").recompute_ms
     assert discarded and not discarded & {"addmm", "mm", "bmm"}, discarded
+
+
+def test_only_inductor_plans_price_fused_recompute_at_nothing(monkeypatch):
+    """aot_eager runs every op as it is: no fusion, so no recompute is free
+    (review: the fused prices were applied to every backend)."""
+    import autosac.compile_fit as fit
+
+    priced = []
+    real = fit.fused_recompute_costs
+    monkeypatch.setattr(fit, "fused_recompute_costs", lambda stats: priced.append(1) or real(stats))
+    torch.manual_seed(0)
+    model, idx = build_model("gpt2", device="cpu", batch=2, **CFG)
+    for backend in ("aot_eager", "inductor"):
+        autosac.solve(model, "90%", idx, optimizer="sgd", target=A100_CPU_KERNELS, compile=backend)
+        assert len(priced) == (backend == "inductor"), backend
