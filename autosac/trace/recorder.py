@@ -780,6 +780,8 @@ class StepRecorder(TorchDispatchMode):
                         made = t.detach().to("cpu")
                 else:
                     made = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+                    if t.requires_grad:  # a leaf the step trains: its gradient is made as for the real one
+                        made.requires_grad_()
                 self._twins[key] = (t, made)  # t kept: its id is not reused while the twin is known
             return self._twins[key][1]
 
