@@ -190,13 +190,17 @@ VALUE_FREE_OPS = frozenset({"ones_like", "zeros_like", "full_like", "new_ones", 
 
 
 def _made_from_shapes(func, args, kwargs):
-    """A :data:`VALUE_FREE_OPS` op's output, made for real from an empty twin of
-    its fake input when small and on the cpu; ``None`` otherwise."""
+    """A :data:`VALUE_FREE_OPS` op's integer or boolean output (lengths, masks),
+    made for real from an empty twin of its fake input when small and on the
+    cpu; ``None`` otherwise.  A floating one stays fake: what it holds is
+    written next by ops on fake activations (an MoE's ``zeros_like`` output
+    buffer), whose results a real tensor could not keep."""
     x = args[0] if args else None
     if not isinstance(x, FakeTensor) or any(isinstance(a, torch.Tensor) for a in tree_leaves((args[1:], kwargs))):
         return None
     fake = func(*args, **kwargs)
-    if not isinstance(fake, torch.Tensor) or fake.device.type != "cpu" or fake.numel() > SMALL_NUMEL:
+    if (not isinstance(fake, torch.Tensor) or fake.device.type != "cpu" or fake.numel() > SMALL_NUMEL
+            or fake.is_floating_point() or fake.is_complex()):
         return fake
     with unset_fake_temporarily():
         return func(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype), *args[1:], **kwargs)
