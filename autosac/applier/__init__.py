@@ -21,6 +21,7 @@ import functools
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
 from autosac.applier.casts import pack_cast, unpack_cast
@@ -299,9 +300,10 @@ def _check_device(state: dict, module) -> None:
     plan = state["plan"]
     if not plan.device or state.get("warned_device"):
         return
-    where = next((t.device.type for t in module.parameters()), None)
-    if where is None or where == plan.device:
-        return
+    first = next(module.parameters(), None)
+    if first is None or first.device.type == plan.device or is_fake(first):
+        return  # (fake parameters: a trace of the step -- compile fitting's -- not a run)
+    where = first.device.type
     state["warned_device"] = True
     warn_user(
         f"autosac: this plan was made for {plan.device} ({plan.target}) but the model runs on {where}: "
