@@ -10,14 +10,21 @@ plan can differ from the GPU run's in a module or two):
 On 2026-11-26 the re-run alone matched GPT-2's measured overheads within 2
 points and the Llama's within 5; with the machinery added the predictions were
 6-13 points high: on a GPU-bound step the host's checkpointing work overlaps
-the kernels, which the time model does not credit yet.
+the kernels.  Since then a CUDA target's region costs max(re-run, machinery)
+(autosac.solver.problem), so "machinery" here is the part the re-run does not
+hide, and the plans are the ones that model picks: compare them with a GPU
+run of the same plans (gpu_verify.py) before reading the last column across.
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 
-import autosac
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's autosac, not an installed one
+import autosac  # noqa: E402
 from autosac.budget import parse_budget
 from autosac.models import build_model
 from autosac.solver import least_peak, solve_stats

@@ -393,3 +393,28 @@ def test_an_infeasible_budget_names_the_cublas_workspaces_no_plan_lowers():
     with pytest.raises(autosac.InfeasibleBudgetError, match=r"cuBLAS's workspaces on the target 64(\.00)? MiB") as e:
         autosac.solve(stats, "50%")
     assert "\n" not in str(e.value)
+
+
+def test_on_a_gpu_a_regions_machinery_hides_under_its_rerun():
+    """On a CUDA target a choice costs the longer of its re-run and its
+    checkpointing machinery (host work while the GPU runs queued kernels: the
+    H100's measured overheads matched the re-run alone); on the CPU, their sum."""
+    from dataclasses import replace
+
+    from autosac.host import HostCosts
+    from autosac.models import build_model
+    from autosac.solver.problem import build_problem
+
+    model, idx = build_model("gpt2", device="meta", batch=2, n_layer=2, dim=128, n_head=4, seq=128, vocab=256)
+    host = HostCosts(op_us=8.0, checkpoint_call_us=300.0, saved_tensor_us=20.0, selective_op_us=15.0)
+    stats = autosac.profile(model, idx, target=replace(autosac.devices.DEVICES["h100"], host=host))
+    gpu = build_problem(stats)
+    cpu = build_problem(replace(stats, target={**stats.target, "device_type": "cpu"}))
+    hidden = 0
+    for g, c in zip(gpu.candidates, cpu.candidates, strict=True):
+        for k in range(len(c.ms)):
+            rerun, machinery = c.ms[k] - c.mechanism[k], c.mechanism[k]
+            assert g.ms[k] == pytest.approx(max(rerun, machinery), rel=1e-9, abs=1e-12)
+            assert g.mechanism[k] == pytest.approx(max(0.0, machinery - rerun), rel=1e-9, abs=1e-12)
+            hidden += machinery > 0 and g.mechanism[k] < machinery
+    assert hidden  # some machinery was hidden
