@@ -57,6 +57,12 @@ _MEMORY_BOUND = {
 }
 
 
+# Ops that return an alias of their input without being view ops (no kernel
+# runs): ``_unsafe_view`` (matmul's reshape of its result: a Linear on a 3-d
+# input, an LM head's logits) was priced as a memory-bound copy of its input
+_ALIASES = frozenset({"_unsafe_view", "alias", "lift_fresh"})
+
+
 def _sdpa_flops(q_shape, k_shape, v_shape) -> int:
     # QK^T and PV: two batched matmuls of (sq x d)@(d x sk) and (sq x sk)@(sk x dv).
     *batch, sq, d = q_shape
@@ -255,7 +261,7 @@ class CostModel:
         return self.host.op_ms(kernel_ms, self.spec.device_type, timed=self.spec.measured, backward=backward)
 
     def _kernel_ms(self, func, args, kwargs, out) -> tuple[float, int]:
-        if is_view_op(func):
+        if is_view_op(func) or func.overloadpacket.__name__ in _ALIASES:
             return 0.0, 0
         flops = op_flops(func, args, kwargs, out)
         understood = flops is not None or is_known_memory_bound(func)
