@@ -73,23 +73,30 @@ def test_swinv2_position_bias_mlp_profiles_without_hanging():
     assert "profiled Swinv2" in done.stdout
 
 
-def test_ctrl_c_ends_profiling_promptly():
-    """SIGINT reaches a profile in progress as KeyboardInterrupt (the old hang
-    sat in a C++ mutex, where no signal handler runs)."""
-    code = _CASES.replace("for model in", "print('started', flush=True)\nwhile True:\n  for model in").replace(
-        "\n        autosac.profile", "\n          autosac.profile").replace("\n        print(", "\n          print(")
+def _stderr_after_ctrl_c(code: str, what: str, wait_s: float) -> str:
+    """Run ``code`` in a child process that prints "started" when it begins
+    its work, send it SIGINT ``wait_s`` seconds later, and return its stderr;
+    a child still running 30 s after the signal fails the test (and is killed)."""
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "started"
-        time.sleep(3)  # inside the profiling loop by now
+        time.sleep(wait_s)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
+        return proc.communicate(timeout=30)[1]
     except subprocess.TimeoutExpired:
-        pytest.fail("a profile did not stop within 30 s of Ctrl-C")
+        pytest.fail(f"{what} did not stop within 30 s of Ctrl-C")
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_ctrl_c_ends_profiling_promptly():
+    """SIGINT reaches a profile in progress as KeyboardInterrupt (the old hang
+    sat in a C++ mutex, where no signal handler runs)."""
+    head, loop = _CASES.split("for model in ")
+    code = head + "print('started', flush=True)\nwhile True:\n    for model in " + textwrap.indent(loop, "    ").lstrip()
+    err = _stderr_after_ctrl_c(code, "a profile", wait_s=3)  # inside the profiling loop by now
     assert "KeyboardInterrupt" in err, err[-2000:]
 
 
@@ -136,17 +143,5 @@ _HARD_MILP = textwrap.dedent("""
 
 def test_ctrl_c_ends_a_highs_solve_promptly():
     """HiGHS checks no signals: without the worker thread Ctrl-C waited out the time limit."""
-    proc = subprocess.Popen([sys.executable, "-c", _HARD_MILP], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        assert proc.stdout.readline().strip() == "started"
-        time.sleep(2)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        pytest.fail("a HiGHS solve did not stop within 30 s of Ctrl-C")
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
+    err = _stderr_after_ctrl_c(_HARD_MILP, "a HiGHS solve", wait_s=2)
     assert "KeyboardInterrupt" in err, err[-2000:]
