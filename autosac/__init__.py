@@ -6,6 +6,7 @@ Pipeline: :func:`profile` (trace) -> :class:`ModelStats` -> solve -> Plan -> app
 from autosac import ops, schedule, zero3  # modules: autosac.ops.pack_downcast, autosac.schedule.memory_aware_order, ...
 from autosac.api import solve
 from autosac.applier import apply, unapply
+from autosac.batch_search import search
 from autosac.devices import DEVICES, DeviceSpec
 from autosac.errors import (
     InfeasibleBudgetError,
@@ -41,6 +42,7 @@ __all__ = [
     "ops",
     "profile",
     "schedule",
+    "search",
     "solve",
     "unapply",
     "zero3",
