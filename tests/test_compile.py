@@ -29,9 +29,9 @@ def test_a_planned_model_compiles_whole_and_keeps_its_gradients(monkeypatch):
     used = {"compiled": 0, "eager": 0}
     real_contexts, real_start = compiled_path.compiled_contexts, RegionPolicy.start
 
-    def counting_contexts(saved):
+    def counting_contexts(*args):
         used["compiled"] += 1
-        return real_contexts(saved)
+        return real_contexts(*args)
 
     def counting_start(self, *args, **kwargs):
         used["eager"] += 1
@@ -59,6 +59,55 @@ def test_a_planned_model_compiles_whole_and_keeps_its_gradients(monkeypatch):
     assert torch.equal(loss, expect)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+_MATMULS = ("mm", "addmm", "bmm")
+
+
+class _CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the matmuls that run."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket.__name__ in _MATMULS
+        return func(*args, **(kwargs or {}))
+
+
+def test_compiled_regions_recompute_the_matmuls_the_eager_replay_does():
+    """Compiled, ``Dropout(p=0)`` is a ``clone`` the eager step never ran: the
+    plan's calls are matched by what they are and read, so the partitioner
+    saves what the plan saves (by op occurrence, every later clone was off by
+    one: the attention output went unsaved and its matmul re-ran)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    torch.manual_seed(0)
+    model, idx = build_model("gpt2", device="cpu", batch=2, **CFG)
+    stats = autosac.profile(model, idx, optimizer="sgd", target=A100_CPU_KERNELS)
+    plan = autosac.solve(stats, "80%")
+    assert plan.decisions
+    autosac.apply(model, plan)
+    loss = model(idx).float().sum()
+    with _CountMatmuls() as eager:
+        loss.backward()
+    graphs = {}
+
+    def keep(name):
+        def compiler(gm, _):
+            graphs[name] = gm
+            return gm
+        return compiler
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw"),
+                           partition_fn=min_cut_rematerialization_partition)
+    torch.compile(model, backend=backend)(idx).float().sum().backward()
+    compiled = sum(n.op == "call_function" and getattr(n.target, "overloadpacket", None) is not None
+                   and n.target.overloadpacket.__name__ in _MATMULS for n in graphs["bw"].graph.nodes)
+    assert compiled == eager.count
 
 
 def test_the_memory_aware_backend_reorders_forward_and_backward_with_the_same_gradients():

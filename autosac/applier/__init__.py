@@ -25,7 +25,6 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
 from autosac.applier.casts import pack_cast, unpack_cast
-from autosac.applier.compiled import compiled_context_fn, save_keys
 from autosac.applier.region import RegionPolicy, warn_user
 from autosac.errors import PlanMismatchError, StatsFormatError
 from autosac.fingerprint import model_fingerprint
@@ -204,7 +203,7 @@ def _checkpointed_forward(self, own, policy, *args, **kwargs):
         return original(*args, **kwargs)  # no grad, or unapplied (then applied again) since
     if torch.compiler.is_compiling():  # one traced region; its decision as recompute tags
         return checkpoint(functools.partial(original, **kwargs), *args, use_reentrant=False,
-                          context_fn=compiled_context_fn(save_keys(policy.calls, policy.save)))
+                          context_fn=policy.compiled_context_fn)
     if not _is_ours(self.__dict__.get("forward"), self) and "replaced" not in policy.warned:
         policy.warned.add("replaced")
         warn_user(

@@ -51,6 +51,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
+from autosac.applier.compiled import compiled_context_fn
 from autosac.dataflow import DataflowTracker, arg_storages, tensors_in
 from autosac.opkinds import op_kind
 from autosac.plan import Decision
@@ -69,6 +70,13 @@ class RegionPolicy:
     # plain checkpointing does it, with no per-op work (see RegionCall.contexts)
     plain: bool = False
     warned: set[str] = field(default_factory=set, repr=False)
+    # torch.utils.checkpoint's context_fn under torch.compile (autosac.applier.compiled):
+    # built once here, so Dynamo finds a constant rather than tracing its making
+    compiled_context_fn: object = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.compiled_context_fn is None:
+            self.compiled_context_fn = compiled_context_fn(self.calls, self.save)
 
     @classmethod
     def from_decision(cls, d: Decision) -> RegionPolicy:
