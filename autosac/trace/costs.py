@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from autosac.devices import DeviceSpec
 from autosac.host import host_costs
+from autosac.noise import best_ms
 from autosac.opkinds import is_view_op
 from autosac.trace.timings import TimingCache
 
@@ -286,17 +287,18 @@ class CostModel:
         return 1e3 * max(compute_s, memory_s)
 
     def _cpu_ms(self, func, args, kwargs, nbytes: int, flops: int) -> float:
+        roofline = self.roofline_ms(flops, nbytes, _compute_dtype(args), local_cpu_spec())
         if nbytes > self.cpu_size_cap_bytes:
-            return self.roofline_ms(flops, nbytes, _compute_dtype(args), local_cpu_spec())
-        key = repr((str(func), _shape_key((args, kwargs))))
-        ms = self._timings.get(key)
-        if ms is None:
+            return roofline
+
+        def time_op() -> tuple[float, bool]:
             try:
-                ms = _time_real(func, args, kwargs)
+                return _time_real(func, args, kwargs)
             except Exception:  # noqa: BLE001 - data-dependent ops can fail on random data
-                ms = self.roofline_ms(flops, nbytes, _compute_dtype(args), local_cpu_spec())
-            self._timings.put(key, ms)
-        return ms
+                return roofline, False
+
+        # cached, else timed now; a cached outlier (timed while another process ran) again
+        return self._timings.timed(repr((str(func), _shape_key((args, kwargs)))), time_op, roofline)
 
     def finish(self) -> None:
         """Keep this profile's new timings for the next one (``target="cpu"``)."""
@@ -325,20 +327,15 @@ def _real_like(t: torch.Tensor) -> torch.Tensor:
     return real
 
 
-def _time_real(func, args, kwargs, repeats: int = 3) -> float:
+def _time_real(func, args, kwargs) -> tuple[float, bool]:
+    """(least ms, noisy) of the op on random tensors of its shapes (:func:`autosac.noise.best_ms`)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():
         real_args, real_kwargs = tree_map(
             lambda x: _real_like(x) if isinstance(x, torch.Tensor) else x, (args, kwargs)
         )
-        func(*real_args, **real_kwargs)  # warm-up
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            func(*real_args, **real_kwargs)
-            best = min(best, time.perf_counter() - t0)
-    return best * 1e3
+        return best_ms(lambda: func(*real_args, **real_kwargs))
 
 
 @lru_cache(maxsize=1)

@@ -13,6 +13,14 @@ dropped when the file is read, with one warning naming the file: its op is
 timed again and the file rewritten.  So is a file that is not a JSON object of
 numbers.  (The host figures :mod:`autosac.host` keeps here may be negative
 where :data:`autosac.host.SIGNED_CACHE_KEYS` says so.)
+
+On a busy machine (:mod:`autosac.noise`): an op timed while its samples did
+not settle is kept :data:`autosac.noise.NOISY_LIFETIME_S` seconds (marked
+``<key>#noisy_until``), then timed again; a cached timing far above what the CPU roofline predicts for
+its FLOPs and bytes (:func:`is_outlier`: another process ran while it was
+timed) is timed again once, and the lesser kept.  ``AUTOSAC_REMEASURE=1``
+makes a process time every op it meets again; :meth:`TimingCache.forget`
+(``autosac.host.remeasure()``) drops them all.
 """
 
 from __future__ import annotations
@@ -23,12 +31,28 @@ import os
 import platform
 import reprlib
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
 import torch
 
 from autosac.cache import cache_root
+from autosac.noise import NOISY_LIFETIME_S, remeasure_requested
+
+# a cached op timing above OUTLIER_FACTOR x (its roofline time + OUTLIER_FLOOR_MS)
+# is timed again: clean timings on a 2-core CPU were at most 24x their
+# roofline, a timing another process's time slice fell into is milliseconds
+OUTLIER_FACTOR = 50.0
+OUTLIER_FLOOR_MS = 0.01
+CHECKED = "#checked"  # suffix of the mark of a timing that was timed again (not checked twice)
+NOISY = "#noisy_until"  # suffix of the mark of a noisy timing: when it expires (epoch seconds; 0: clean)
+
+
+def is_outlier(ms: float, expected_ms: float) -> bool:
+    """Whether a timing is far above what its op's FLOPs and bytes predict
+    (``expected_ms``, the CPU roofline), further than any clean timing was."""
+    return ms > OUTLIER_FACTOR * (expected_ms + OUTLIER_FLOOR_MS)
 
 
 def _machine_key() -> str:
@@ -46,12 +70,15 @@ class TimingCache:
 
     _loaded: dict[str, dict[str, float]] = {}
     _stale: set[str] = set()  # files that held something else than timings: rewritten at the next save
+    _forgotten: set[str] = set()  # files whose entries on disk are dropped at the next save
 
     def __init__(self) -> None:
         self.path = cache_path()
         key = str(self.path)
         if key not in TimingCache._loaded:
             table, problem = _read(self.path)
+            if remeasure_requested():  # AUTOSAC_REMEASURE: measured again by this process, then rewritten
+                table, problem = {}, ""
             if problem:
                 warnings.warn(f"autosac: {self.path} {problem}: timing again and rewriting it", stacklevel=3)
                 TimingCache._stale.add(key)
@@ -60,11 +87,43 @@ class TimingCache:
         self._dirty = False
 
     def get(self, key: str) -> float | None:
+        """The timing kept for ``key``; None where there is none, or it was noisy and has expired."""
+        until = self.table.get(key + NOISY)
+        if until and not 0 <= until - time.time() <= NOISY_LIFETIME_S:  # expired (or a clock gone back)
+            return None
         return self.table.get(key)
 
-    def put(self, key: str, ms: float) -> None:
+    def put(self, key: str, ms: float, noisy: bool = False) -> None:
+        """Keep ``ms`` for ``key``; ``noisy``: for :data:`NOISY_LIFETIME_S` seconds."""
         self.table[key] = ms
+        if noisy or key + NOISY in self.table:
+            self.table[key + NOISY] = time.time() + NOISY_LIFETIME_S if noisy else 0.0
         self._dirty = True
+
+    def timed(self, key: str, time_op, expected_ms: float) -> float:
+        """The timing of ``key``: the cached one, or ``time_op()`` -> (ms,
+        noisy) measured now and kept (:meth:`put`).  A cached timing that
+        :func:`is_outlier` flags is timed again, once: the lesser is kept
+        (noise only adds time), and marked checked where the new timing was
+        clean."""
+        ms = self.get(key)
+        if ms is not None and (self.get(key + CHECKED) or not is_outlier(ms, expected_ms)):
+            return ms
+        fresh, noisy = time_op()
+        if ms is not None:
+            fresh = min(ms, fresh)
+            if not noisy:
+                self.put(key + CHECKED, 1.0)
+        self.put(key, fresh, noisy)
+        return fresh
+
+    def forget(self) -> None:
+        """Drop every timing of this machine, in memory and (at :meth:`save`,
+        done now) on disk: each is measured again where next needed."""
+        self.table.clear()
+        TimingCache._forgotten.add(str(self.path))
+        self._dirty = True
+        self.save()
 
     def save(self) -> None:
         """Write new timings (atomically; a failure to write only loses the cache)."""
@@ -73,12 +132,14 @@ class TimingCache:
             return
         try:
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # private: the native build checks it
-            merged = {**_read(self.path)[0], **self.table}  # what other processes added meanwhile
+            before = {} if str(self.path) in TimingCache._forgotten else _read(self.path)[0]
+            merged = {**before, **self.table}  # what other processes added meanwhile, unless forgotten
             with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as f:
                 json.dump(merged, f)
             os.replace(f.name, self.path)
             self._dirty = False
             TimingCache._stale.discard(str(self.path))
+            TimingCache._forgotten.discard(str(self.path))
         except OSError:
             pass
 
