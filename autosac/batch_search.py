@@ -33,7 +33,7 @@ from autosac.errors import InfeasibleBudgetError
 from autosac.fingerprint import model_fingerprint
 from autosac.inputs import split_inputs
 from autosac.plan import Plan
-from autosac.solver import _remedy, check_solve_options, solve_stats
+from autosac.solver import check_solve_options, solve_stats
 from autosac.solver.chain import NotAChain, is_chain, solve_chain
 from autosac.solver.milp import milp_needs
 from autosac.solver.problem import build_problem
@@ -296,7 +296,7 @@ def _solve_row(stats: ModelStats, b: int, accum: int, world: int, memory_bytes: 
         row.over_bytes = e.min_feasible_bytes - memory_bytes
         row.note = f"does not fit: needs at least {format_bytes(e.min_feasible_bytes)}, " \
                    f"{format_bytes(row.over_bytes)} over"
-        row.remedy = _remedy(stats, memory_bytes, e.min_feasible_bytes)
+        row.remedy = _remedy(stats, e.min_feasible_bytes)
         return row
     row.feasible = True
     row.predicted_peak_bytes = plan.predicted_peak_bytes
@@ -304,7 +304,8 @@ def _solve_row(stats: ModelStats, b: int, accum: int, world: int, memory_bytes: 
     row.predicted_samples_per_s = samples / (row.predicted_step_ms / 1e3) if row.predicted_step_ms > 0 else 0.0
     if plan.decisions:
         row.plan = plan
-        row.note = f"{len(plan.decisions)} modules checkpointed, recompute +{plan.overhead:.1%}"
+        n = len(plan.decisions)
+        row.note = f"{n} module{'s' if n > 1 else ''} checkpointed, recompute +{plan.overhead:.1%}"
     else:
         row.unplanned = plan
         row.note = "fits without checkpointing"
@@ -338,6 +339,19 @@ def _chain_least_peak(problem, memory_bytes: int) -> int | None:
     except NotAChain:
         return None
     return lo + 1
+
+
+def _remedy(stats: ModelStats, least: int) -> str:
+    """What would help a batch that does not fit: when the optimizer step's
+    state (and the target's library workspaces) fill most of its least peak,
+    no checkpointing or batch size can; else more memory or a smaller batch."""
+    state = (stats.param_bytes + stats.grad_bytes + stats.optimizer_bytes) / stats.world_size
+    state += stats.peak_breakdown.get("workspace", 0)
+    if state < 0.5 * least:
+        return "give at least that much memory, or try smaller batch sizes"
+    return (f"the parameters, gradients and {stats.optimizer} state (with the target's library workspaces) alone "
+            f"take {format_bytes(state)} per rank, which no checkpointing lowers: shard over more ranks "
+            "(world_size), use a lighter optimizer, or give more memory")
 
 
 def _skipped(b: int, accum: int, world: int, blocker: SearchRow) -> SearchRow:

@@ -53,7 +53,8 @@ def search_message(result) -> str:
     """One line: the choice, or why there is none and what would help."""
     best = result.best
     if best is not None:
-        how = "no checkpointing" if best.plan is None else f"{len(best.plan.decisions)} modules checkpointed"
+        n = 0 if best.plan is None else len(best.plan.decisions)
+        how = "no checkpointing" if not n else f"{n} module{'s' if n > 1 else ''} checkpointed"
         return (f"best: batch {batch_words(best)}, {format_rate(best.predicted_samples_per_s)} samples/s predicted, "
                 f"with {how} (peak {format_bytes(best.predicted_peak_bytes)} of {format_bytes(result.memory_bytes)})")
     first = result.rows[0]

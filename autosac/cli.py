@@ -18,12 +18,17 @@ from autosac.modelspec import UserError, build_from_spec
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def _model_options(p: argparse.ArgumentParser) -> None:
+def _model_options(p: argparse.ArgumentParser, batch_sizes: bool = False) -> None:
     p.add_argument("--model", default="gpt2", help="built-in name (gpt2, llama-7b, ...), hf:NAME (hf:llama, hf:gpt2, hf:bert, hf:mistral, "
                         "hf:qwen2, hf:qwen3, hf:mixtral, hf:qwen3_moe: a transformers config, no download) or "
                         "package.module:factory")
     p.add_argument("--model-arg", action="append", default=[], metavar="K=V", help="config override, repeatable")
-    p.add_argument("--batch", type=_positive_int, default=None)
+    if batch_sizes:  # plan: one size with --budget; with --memory, the sizes to search
+        p.add_argument("--batch", default=None, metavar="N|auto|A..B|N,M,...",
+                       help="batch size; with --memory the sizes to search: auto (1..64), A..B (A, 2A, 4A, ... up to "
+                            "B) or a list 4,8,16")
+    else:
+        p.add_argument("--batch", type=_positive_int, default=None)
     p.add_argument("--seq", type=_positive_int, default=None)
     p.add_argument("--target", default="h100", help="h100, h200, a100, l4, or cpu (timed locally)")
     p.add_argument("--world-size", type=_positive_int, default=1)
@@ -103,30 +108,71 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _profile(args):
+def _profile_options(args) -> dict:
+    """What ``autosac.profile`` takes from the model options (besides model, inputs and target)."""
     import torch
 
+    dtypes = {k: getattr(torch, _DTYPES[v]) for k, v in (("param_dtype", args.param_dtype),
+                                                          ("reduce_dtype", args.reduce_dtype),
+                                                          ("autocast", args.autocast)) if v}
+    return dict(optimizer=args.optimizer, world_size=args.world_size, shard_units=args.shard_units,
+                output_held=not args.drop_output, routing=args.routing, grad_accumulation=args.grad_accumulation,
+                zero_grad=args.zero_grad, **dtypes)
+
+
+def _profile(args):
     import autosac
 
     if args.downcast_gather and (args.world_size < 2 or not args.autocast):
         raise ValueError("--downcast-gather needs --world-size > 1 and --autocast (bf16 or fp16)")
     model, inputs = build_from_spec(args.model, args.model_arg, args.batch, args.seq)
-    dtypes = {k: getattr(torch, _DTYPES[v]) for k, v in (("param_dtype", args.param_dtype),
-                                                          ("reduce_dtype", args.reduce_dtype),
-                                                          ("autocast", args.autocast)) if v}
+    options = _profile_options(args)
     with _Progress(args.quiet).stage(f"profiling {type(model).__name__} (one training step in fake mode)"):
-        stats = autosac.profile(model, inputs, optimizer=args.optimizer, target=args.target,
-                                world_size=args.world_size, shard_units=args.shard_units,
-                                output_held=not args.drop_output, routing=args.routing,
-                                grad_accumulation=args.grad_accumulation, zero_grad=args.zero_grad, **dtypes)
+        stats = autosac.profile(model, inputs, target=args.target, **options)
     if args.downcast_gather:
-        stats = autosac.zero3.with_downcast_gather(stats, dtypes["autocast"])
+        stats = autosac.zero3.with_downcast_gather(stats, options["autocast"])
     return stats, model, inputs
+
+
+def batch_sizes(text: str | None, global_batch: int | None = None, world_size: int = 1) -> list[int]:
+    """``--batch`` with ``--memory``: ``auto`` (1, 2, 4, ... 64, or with a
+    global batch every power of two that divides it per rank), ``A..B`` (A,
+    2A, 4A, ... up to B), ``4,8,16`` or one size.
+
+    Raises:
+        UserError: anything else, in one line.
+    """
+    forms = "give auto, a doubling range such as 1..64, a list such as 4,8,16, or one size"
+    text = "auto" if text is None else text.strip()
+    if text == "auto":
+        top = global_batch // world_size if global_batch else 64
+        return [1 << k for k in range(top.bit_length()) if not global_batch or (top % (1 << k) == 0)]
+    try:
+        if ".." in text:
+            low, high = (int(x) for x in text.split(".."))
+            if not 1 <= low <= high:
+                raise ValueError
+            return [low << k for k in range((high // low).bit_length())]
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise UserError(f"--batch {text!r} is not a batch size or sizes: {forms} (whole numbers, a range from low to high)") from None
+    if any(b < 1 for b in sizes):
+        raise UserError(f"--batch {text!r}: batch sizes must be positive; {forms}")
+    return sizes
 
 
 def cmd_plan(args) -> int:
     import autosac
 
+    if (args.budget is None) == (args.memory is None):
+        raise UserError("plan needs --budget (one batch size) or --memory (the batch size that runs fastest in "
+                        "it), not both" if args.budget else "plan needs --budget, or --memory to search the batch size")
+    if args.memory is not None:
+        return cmd_search(args)
+    if args.global_batch is not None:
+        raise UserError("--global-batch goes with --memory (the batch-size search); with --budget use "
+                        "--grad-accumulation")
+    args.batch = None if args.batch is None else _one_batch(args.batch)
     if not is_least(args.budget):
         parse_budget(args.budget, 1 << 60)  # reject a malformed budget before the profile runs
     if args.compile:
@@ -148,6 +194,43 @@ def cmd_plan(args) -> int:
     if args.json:
         plan.save(args.json)
         print(f"\nplan written to {args.json}")
+    return 0
+
+
+def _one_batch(text: str) -> int:
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError as e:
+        raise UserError(f"--batch {text!r}: {e}; several sizes (auto, 1..64, 4,8,16) go with --memory in place "
+                        "of --budget") from None
+
+
+def cmd_search(args) -> int:
+    """``plan --memory``: the batch size and plan with the most predicted samples per second."""
+    from autosac.batch_search import rebatched, search
+    from autosac.batch_search_report import search_table
+
+    if args.compile or args.downcast_gather:
+        raise UserError("--memory searches the eager step: leave out --compile and --downcast-gather")
+    if args.global_batch is not None and args.grad_accumulation != 1:
+        raise UserError("give --global-batch or --grad-accumulation, not both: the global batch sets each "
+                        "batch size's accumulation")
+    sizes = batch_sizes(args.batch, args.global_batch, args.world_size)
+    options = _profile_options(args)
+    if args.global_batch is not None:
+        options.pop("grad_accumulation")
+    model, inputs = build_from_spec(args.model, args.model_arg, sizes[0], args.seq)
+    progress = _Progress(args.quiet)
+    with progress.stage(f"planning {type(model).__name__} at {len(sizes)} batch sizes"):
+        result = search(model, lambda b: rebatched(inputs, b), args.memory, sizes, target=args.target,
+                        global_batch=args.global_batch, reserve=args.reserve or 0, solver=args.solver,
+                        time_limit_s=args.time_limit, on_row=progress.count("batch size"), **options)
+    print(search_table(result))
+    if result.best is None:
+        raise UserError(result.message)
+    if args.json:
+        result.best.plan_to_save().save(args.json)
+        print(f"\nplan for batch {result.best.batch_size} written to {args.json}")
     return 0
 
 
@@ -223,18 +306,29 @@ def cmd_build_native(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="autosac", description="Fit a PyTorch training step into a memory budget.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("plan", help="print the activation-checkpointing plan for a budget")
-    _model_options(p)
-    p.add_argument("--budget", required=True, help='"8GiB", "500MB", "60%%" of the unconstrained peak, "least" (the least feasible), '
-                   'or a whole number of bytes')
+def _plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="print the activation-checkpointing plan for a budget, or the batch size and "
+                                    "plan that run fastest in a memory")
+    _model_options(p, batch_sizes=True)
+    p.add_argument("--budget", default=None, help='"8GiB", "500MB", "60%%" of the unconstrained peak, "least" (the '
+                   'least feasible), or a whole number of bytes')
+    p.add_argument("--memory", default=None, metavar="SIZE",
+                   help="in place of --budget: plan every --batch size (default auto: 1..64) for this memory per "
+                        "rank, e.g. 80GiB, and pick the one with the most predicted samples/s")
+    p.add_argument("--global-batch", type=_positive_int, default=None, metavar="N",
+                   help="with --memory: samples per optimizer step kept fixed, each batch size accumulating "
+                        "N / (batch x world size) micro-batches")
     p.add_argument("--reserve", default=None, help="headroom to keep free, e.g. 2GiB")
-    p.add_argument("--json", default=None, help="write the plan to this file")
+    p.add_argument("--json", default=None, help="write the plan (with --memory: the chosen one) to this file")
     p.add_argument("--compile", default=None, metavar="BACKEND",
                    help="plan for torch.compile(model, backend=BACKEND): inductor or aot_eager (one process)")
     p.set_defaults(func=cmd_plan)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="autosac", description="Fit a PyTorch training step into a memory budget.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _plan_parser(sub)
     s = sub.add_parser("sweep", help="plan for several budgets from one profile")
     _model_options(s)
     s.add_argument("--budgets", default="90%,80%,70%,60%,50%,40%,30%")
