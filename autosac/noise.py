@@ -96,7 +96,8 @@ class Steady:
 
 def steady(take_round: Callable[[], tuple[object, float]], estimate: Callable[[list], dict[str, float]],
            scale: Callable[[dict[str, float], str], float] | None = None, rounds: int = 4,
-           max_rounds: int = 32, deadline_s: float = 30.0, tolerance: float = TOLERANCE) -> Steady:
+           max_rounds: int = 32, deadline_s: float = 30.0, tolerance: float = TOLERANCE,
+           now: Callable[[], float] = time.monotonic) -> Steady:
     """Take ``rounds`` rounds (``take_round()`` -> (samples, share of a core
     it had)) and estimate the figures (``estimate(list of samples)``) from
     the even and the odd rounds apart; while some figure differs between the
@@ -104,13 +105,13 @@ def steady(take_round: Callable[[], tuple[object, float]], estimate: Callable[[l
     the larger of the two), or the median round had less than
     :data:`MIN_SHARE` of a core, double the rounds -- up to ``max_rounds``,
     or while that fits in ``deadline_s`` seconds.  The figures returned are
-    estimated from all rounds."""
-    start = time.monotonic()
+    estimated from all rounds.  ``now``: the clock the deadline is kept by."""
+    start = now()
     taken = [take_round() for _ in range(rounds)]
     while True:
         samples = [s for s, _ in taken]
         got = Steady(estimate(samples), disagreeing(estimate(samples[0::2]), estimate(samples[1::2]), scale, tolerance),
-                     statistics.median(share for _, share in taken), len(taken), time.monotonic() - start)
+                     statistics.median(share for _, share in taken), len(taken), now() - start)
         # the next doubling takes about as long as everything so far
         if not got.noisy or 2 * len(taken) > max_rounds or 2 * got.seconds > deadline_s:
             return got
