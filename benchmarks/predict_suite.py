@@ -1,0 +1,373 @@
+"""Predicted against measured step-time overhead, on this CPU, over many models
+in both regimes (issue 32):
+
+* ``dispatch``: width 64, microsecond ops -- a step is mostly host time
+  (Python, autograd, the checkpointing machinery);
+* ``compute``: width 256 and more -- a step is mostly kernels.
+
+For each model and regime: profile for ``target="cpu"`` (AdamW, the held-output
+loop), solve the least budget and a mid budget (halfway between the least
+peak and the unmodified peak), apply each plan to a copy, check that it keeps
+its budget (the measured peak, :func:`autosac.measure`) and that one training
+step is bitwise the unmodified one's (``tests/suite.py``), then time the
+unmodified model and both plans in interleaved rounds (medians).  The
+predicted overhead is ``plan.step_ms / plan.baseline_step_ms - 1``; the
+target is within 20 % of the measured one, relative, or 3 points, whichever
+is larger.
+
+Step times are this thread's CPU time (``time.thread_time``; every op runs on
+it with one torch thread): another process's time slices are not counted, so
+the comparison holds on a shared machine.  The wall-clock overhead is printed
+beside it.
+
+    python benchmarks/predict_suite.py                       # every model, both regimes (~20 min)
+    python benchmarks/predict_suite.py --quick               # a few models, fewer rounds (~3 min)
+    python benchmarks/predict_suite.py --models hf-llama,timm-vit --regimes dispatch
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+import autosac  # noqa: E402
+from autosac.host import calibrate  # noqa: E402
+from autosac.optim import make_optimizer  # noqa: E402
+
+TARGET_REL, TARGET_POINTS = 0.20, 0.03
+QUICK = ("autosac-gpt2", "hf-llama", "hf-gpt2", "timm-vit")
+
+
+@dataclass
+class Row:
+    model: str
+    regime: str
+    budget: str
+    predicted: float | None = None
+    measured: float | None = None
+    wall: float | None = None
+    kept: bool | None = None
+    bitwise: bool | None = None
+    plan: str = ""
+    note: str = ""
+
+    @property
+    def error(self) -> float | None:
+        return None if self.predicted is None or self.measured is None else self.predicted - self.measured
+
+    @property
+    def within(self) -> bool | None:
+        if self.error is None:
+            return None
+        return abs(self.error) <= max(TARGET_REL * abs(self.measured), TARGET_POINTS)
+
+
+# ------------------------------------------------------------------ models
+def _first_tensor(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    for key in ("logits", "last_hidden_state", "prediction_logits"):
+        value = getattr(out, key, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    return out[0]
+
+
+def _sum_loss(out):
+    return _first_tensor(out).float().sum()
+
+
+def _hf_loss(out):
+    return out.loss
+
+
+def _sizes(regime: str) -> dict:
+    if regime == "dispatch":
+        return dict(width=64, layers=4, batch=2, seq=64, image=32)
+    return dict(width=256, layers=2, batch=4, seq=128, image=64)
+
+
+def _hf_lm(config_name: str, model_name: str, **kw):
+    def build(s):
+        import transformers
+
+        w = s["width"]
+        cfg = getattr(transformers, config_name)(**{k: (v(w) if callable(v) else v) for k, v in kw.items()})
+        model = getattr(transformers, model_name)(cfg).train()
+        ids = torch.randint(0, cfg.vocab_size, (s["batch"], s["seq"]))
+        return model, {"input_ids": ids}, _sum_loss
+    return build
+
+
+def _llama_like(config_name: str, model_name: str, **extra):
+    return _hf_lm(config_name, model_name, hidden_size=lambda w: w, intermediate_size=lambda w: 2 * w,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                  max_position_embeddings=256, use_cache=False, **extra)
+
+
+def _builtin(name: str, **extra):
+    def build(s):
+        from autosac.models import build_model
+
+        model, idx = build_model(name, device="cpu", n_layer=s["layers"] * (2 if s["width"] == 64 else 1),
+                                 dim=s["width"], n_head=4, vocab=256, batch=s["batch"], seq=s["seq"], **extra)
+        return model.train(), idx, _sum_loss
+    return build
+
+
+def _hf_vit(s):
+    import transformers
+
+    w = s["width"]
+    cfg = transformers.ViTConfig(hidden_size=w, num_hidden_layers=4, num_attention_heads=4, intermediate_size=4 * w,
+                                 image_size=s["image"], patch_size=8, num_labels=10)
+    model = transformers.ViTForImageClassification(cfg).train()
+    return model, {"pixel_values": torch.randn(s["batch"] * 2, 3, s["image"], s["image"])}, _sum_loss
+
+
+def _timm_vit(s):
+    from timm_import import import_timm
+
+    import_timm()
+    from timm.models.vision_transformer import VisionTransformer
+
+    model = VisionTransformer(img_size=s["image"], patch_size=8, embed_dim=s["width"], depth=4, num_heads=4,
+                              num_classes=10).train()
+    return model, torch.randn(s["batch"] * 2, 3, s["image"], s["image"]), _sum_loss
+
+
+def _timm(name: str, dispatch_image: int, compute_image: int, **kw):
+    def build(s):
+        from timm_import import import_timm
+
+        timm = import_timm()
+        model = timm.create_model(name, pretrained=False, num_classes=10, **kw).train()
+        size = dispatch_image if s["width"] == 64 else compute_image
+        return model, torch.randn(s["batch"] * 2, 3, size, size), _sum_loss
+    return build
+
+
+class _MLP(torch.nn.Module):
+    """Residual MLP blocks (pre-norm), the plainest network there is."""
+
+    def __init__(self, width: int, blocks: int = 6) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(
+            torch.nn.LayerNorm(width), torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+            torch.nn.Linear(4 * width, width)) for _ in range(blocks))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(x)
+        return x
+
+
+def _mlp(s):
+    return _MLP(s["width"]), torch.randn(s["batch"] * s["seq"], s["width"]), _sum_loss
+
+
+def _zoo(name: str):
+    def build(s):
+        import zoo
+
+        model, inputs, loss_fn = zoo.ZOO[name]()
+        return model, inputs, loss_fn or (lambda out: out)
+    return build
+
+
+# name -> (builder(sizes), regimes)
+BOTH, DISPATCH = ("dispatch", "compute"), ("dispatch",)
+MODELS = {
+    "autosac-gpt2": (_builtin("gpt2", dropout=0.0), BOTH),
+    "autosac-llama": (_builtin("llama-tiny", n_kv_head=2, ffn_hidden=172), BOTH),
+    "hf-gpt2": (_hf_lm("GPT2Config", "GPT2LMHeadModel", n_embd=lambda w: w, n_layer=4, n_head=4, vocab_size=256,
+                       n_positions=256, use_cache=False), BOTH),
+    "hf-llama": (_llama_like("LlamaConfig", "LlamaForCausalLM"), BOTH),
+    "hf-mistral": (_llama_like("MistralConfig", "MistralForCausalLM"), BOTH),
+    "hf-qwen2": (_llama_like("Qwen2Config", "Qwen2ForCausalLM"), BOTH),
+    "hf-qwen3": (_llama_like("Qwen3Config", "Qwen3ForCausalLM", head_dim=16), BOTH),
+    "hf-bert": (_hf_lm("BertConfig", "BertForMaskedLM", hidden_size=lambda w: w, intermediate_size=lambda w: 4 * w,
+                       num_hidden_layers=4, num_attention_heads=4, vocab_size=256, max_position_embeddings=256),
+                BOTH),
+    "hf-gpt-neox-parallel": (_hf_lm("GPTNeoXConfig", "GPTNeoXForCausalLM", hidden_size=lambda w: w,
+                                    intermediate_size=lambda w: 4 * w, num_hidden_layers=4, num_attention_heads=4,
+                                    vocab_size=256, max_position_embeddings=256, use_parallel_residual=True,
+                                    use_cache=False), BOTH),
+    "hf-phi-parallel": (_hf_lm("PhiConfig", "PhiForCausalLM", hidden_size=lambda w: w,
+                               intermediate_size=lambda w: 4 * w, num_hidden_layers=4, num_attention_heads=4,
+                               vocab_size=256, max_position_embeddings=256, use_cache=False), BOTH),
+    "hf-opt": (_hf_lm("OPTConfig", "OPTForCausalLM", hidden_size=lambda w: w, ffn_dim=lambda w: 4 * w,
+                      word_embed_proj_dim=lambda w: w, num_hidden_layers=4, num_attention_heads=4, vocab_size=256,
+                      max_position_embeddings=256, use_cache=False), BOTH),
+    "hf-vit": (_hf_vit, BOTH),
+    "timm-vit": (_timm_vit, BOTH),
+    "timm-resnet10t": (_timm("resnet10t", 32, 96), BOTH),
+    "timm-convnext-atto": (_timm("convnext_atto", 32, 96), BOTH),
+    "mlp": (_mlp, BOTH),
+    "zoo-t5": (_zoo("t5"), DISPATCH),
+    "zoo-whisper": (_zoo("whisper"), DISPATCH),
+    "zoo-gemma2": (_zoo("gemma2"), DISPATCH),
+    "zoo-deberta-v2": (_zoo("deberta-v2"), DISPATCH),
+    "zoo-clip": (_zoo("clip"), DISPATCH),
+    "zoo-timm-swin": (_zoo("timm-swin"), DISPATCH),
+    "zoo-timm-efficientnet": (_zoo("timm-efficientnet"), DISPATCH),
+}
+
+
+# ------------------------------------------------------------------ measuring
+def _timed(variants: dict, inputs, loss_fn, rounds: int, steps: int) -> tuple[dict, dict]:
+    """Median CPU ms (this thread) and median wall ms of one training step
+    (forward, loss, backward, AdamW) per variant, over interleaved rounds."""
+    args, kwargs = (inputs, {}) if not isinstance(inputs, dict) else ((), inputs)
+    args = args if isinstance(args, tuple) else (args,)
+    opts = {k: make_optimizer("adamw", [p for p in m.parameters() if p.requires_grad]) for k, m in variants.items()}
+    held: list = []
+
+    def step(k, m):
+        out = m(*args, **kwargs)
+        held[:] = [out]  # the loop the plans are made for: the output held through backward
+        loss_fn(out).backward()
+        opts[k].step()
+        opts[k].zero_grad(set_to_none=True)
+
+    cpu: dict = {k: [] for k in variants}
+    wall: dict = {k: [] for k in variants}
+    for k, m in variants.items():
+        step(k, m)  # optimizer state
+    order = list(variants.items())
+    for r in range(rounds):
+        for k, m in order[r % len(order):] + order[:r % len(order)]:  # each variant first in turn
+            step(k, m)  # warm after the other variants ran
+            for _ in range(steps):
+                c, w = time.thread_time(), time.perf_counter()
+                step(k, m)
+                cpu[k].append((time.thread_time() - c) * 1e3)
+                wall[k].append((time.perf_counter() - w) * 1e3)
+    return {k: statistics.median(v) for k, v in cpu.items()}, {k: statistics.median(v) for k, v in wall.items()}
+
+
+def _bitwise(model, planned, inputs, loss_fn) -> bool:
+    from suite import assert_same_step
+
+    try:
+        assert_same_step(copy.deepcopy(model), copy.deepcopy(planned), inputs, loss_fn)
+        return True
+    except AssertionError:
+        return False
+
+
+def _describe(plan) -> str:
+    selective = sum(1 for d in plan.details.values() if d.save or d.writes_outside)
+    return f"{len(plan.decisions)} regions, {selective} selective, machinery {plan.mechanism_ms:.2f} ms"
+
+
+def run_model(name: str, regime: str, rounds: int, steps: int) -> list[Row]:
+    build, _ = MODELS[name]
+    torch.manual_seed(0)
+    model, inputs, loss_fn = build(_sizes(regime))
+    loss_fn = loss_fn or (lambda out: out)
+    stats = autosac.profile(model, inputs, target="cpu", optimizer="adamw", loss_fn=loss_fn)
+    least = autosac.solve(stats, "least")
+    plans = {"mid": autosac.solve(stats, (least.predicted_peak_bytes + least.baseline_peak_bytes) // 2),
+             "least": least}
+    rows, variants = [], {"none": model}
+    for label, plan in plans.items():
+        planned = autosac.apply(copy.deepcopy(model), plan)
+        bitwise = _bitwise(model, planned, inputs, loss_fn)  # before measure's steps change the weights
+        peak = autosac.measure(planned, inputs, loss_fn=loss_fn, steps=0, optimizer="adamw").peak_bytes
+        rows.append(Row(name, regime, label, predicted=plan.step_ms / plan.baseline_step_ms - 1,
+                        kept=peak <= plan.budget_bytes, bitwise=bitwise, plan=_describe(plan)))
+        variants[label] = planned
+    cpu, wall = _timed(variants, inputs, loss_fn, rounds, steps)
+    for row in rows:
+        row.measured = cpu[row.budget] / cpu["none"] - 1
+        row.wall = wall[row.budget] / wall["none"] - 1
+        row.note = f"step {cpu['none']:.1f} ms (predicted {stats.step_ms:.1f})"
+    return rows
+
+
+# ------------------------------------------------------------------ report
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.1%}"
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| model | regime | budget | predicted | measured | error (points) | within target | wall | kept "
+             "| bitwise | plan; unmodified step |", "|---|---|---|---:|---:|---:|---|---:|---|---|---|"]
+    for r in rows:
+        within = "-" if r.within is None else ("yes" if r.within else "NO")
+        yn = {True: "yes", False: "NO", None: "-"}
+        lines.append(f"| {r.model} | {r.regime} | {r.budget} | {_pct(r.predicted)} | {_pct(r.measured)} "
+                     f"| {'-' if r.error is None else f'{100 * r.error:+.1f}'} | {within} | {_pct(r.wall)} "
+                     f"| {yn[r.kept]} | {yn[r.bitwise]} | {r.plan}; {r.note} |")
+    done = [r for r in rows if r.error is not None]
+    if done:
+        worst = max(done, key=lambda r: abs(r.error) / max(TARGET_REL * abs(r.measured), TARGET_POINTS))
+        held = sum(1 for r in done if r.within)
+        lines.append("")
+        lines.append(f"{held} of {len(done)} rows within target; worst (against its tolerance): {worst.model}, "
+                     f"{worst.regime}, {worst.budget}: predicted {_pct(worst.predicted)}, measured "
+                     f"{_pct(worst.measured)} ({100 * worst.error:+.1f} points). Every plan kept its budget: "
+                     f"{'yes' if all(r.kept for r in done) else 'NO'}; every step bitwise: "
+                     f"{'yes' if all(r.bitwise for r in done) else 'NO'}.")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", help="comma-separated names (default: all): " + ", ".join(MODELS))
+    ap.add_argument("--regimes", default="dispatch,compute", help="dispatch, compute or both (default)")
+    ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}, fewer rounds")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 8, --quick 4)")
+    ap.add_argument("--out", help="also write the table to this file")
+    a = ap.parse_args(argv)
+    names = a.models.split(",") if a.models else list(QUICK if a.quick else MODELS)
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        ap.error(f"unknown model(s) {', '.join(unknown)}: use {', '.join(MODELS)}")
+    regimes = [r for r in a.regimes.split(",") if r]
+    if any(r not in BOTH for r in regimes):
+        ap.error("--regimes takes dispatch, compute or both")
+    rounds = a.rounds or (4 if a.quick else 8)
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    print(f"host figures: {calibrate()}", file=sys.stderr)
+    rows: list[Row] = []
+    started = time.perf_counter()
+    for name in names:
+        for regime in regimes:
+            if regime not in MODELS[name][1]:
+                continue
+            t0 = time.perf_counter()
+            steps = 5 if regime == "dispatch" else 2
+            try:
+                got = run_model(name, regime, rounds, steps)
+            except Exception as e:  # noqa: BLE001 - one model's failure is a row, not the end of the run
+                traceback.print_exc(file=sys.stderr)
+                got = [Row(name, regime, "-", note=f"failed: {type(e).__name__}: {str(e)[:120]}")]
+            rows += got
+            for r in got:
+                print(f"{r.model} {r.regime} {r.budget}: predicted {_pct(r.predicted)} measured {_pct(r.measured)} "
+                      f"(wall {_pct(r.wall)}) kept {r.kept} bitwise {r.bitwise} [{time.perf_counter() - t0:.0f} s]",
+                      file=sys.stderr, flush=True)
+    text = table(rows) + f"\n\n({len(names)} models, {rounds} rounds, {time.perf_counter() - started:.0f} s)"
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
