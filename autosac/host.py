@@ -59,7 +59,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from autosac.noise import MIN_SHARE, NOISY_LIFETIME_S, TOLERANCE, remeasure_requested, steady
+from autosac.noise import MIN_SHARE, NOISY_LIFETIME_S, TOLERANCE, remeasure_requested, share_meter, steady
 
 CACHE_KEY = "host-costs-v11"  # bump when the micro-benchmark changes (v11: a plain layer between calibrated regions)
 _FIELDS = ("op_us", "checkpoint_call_us", "saved_tensor_us", "selective_op_us", "untimed_op_us", "backward_op_us",
@@ -410,7 +410,7 @@ def _take_round(variants: dict, x: torch.Tensor, repeats: int = 3) -> dict:
     small to run on other threads, and another process's time slices are
     not counted), and the share of a core the thread had meanwhile."""
     tick = time.thread_time
-    wall, cpu = time.perf_counter(), tick()
+    share = share_meter()
 
     def step(m) -> tuple[float, float]:
         t0 = tick()
@@ -421,7 +421,7 @@ def _take_round(variants: dict, x: torch.Tensor, repeats: int = 3) -> dict:
         return (t1 - t0) * 1e3, (tick() - t0) * 1e3
 
     samples = {name: [step(m) for _ in range(repeats)] for name, m in variants.items()}
-    return samples, (tick() - cpu) / max(time.perf_counter() - wall, 1e-9)
+    return samples, share()
 
 
 __all__ = ["HostCosts", "calibrate", "host_costs", "remeasure"]

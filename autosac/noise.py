@@ -57,23 +57,33 @@ def settled(samples: Sequence[float], tolerance: float = TOLERANCE, slack: float
     return b <= a * (1 + tolerance) + slack + 1e-12
 
 
+def share_meter() -> Callable[[], float]:
+    """A meter: called later, the share of a core this thread has had since
+    (its CPU time over the wall time)."""
+    wall, cpu = time.perf_counter(), time.thread_time()
+    return lambda: (time.thread_time() - cpu) / max(time.perf_counter() - wall, 1e-9)
+
+
 def best_ms(call: Callable[[], object], repeats: int = 3, max_repeats: int = 12,
             deadline_s: float = 2.0) -> tuple[float, bool]:
     """(least ms of ``call()``, noisy) after one warm-up call: ``repeats``
     timed calls, then more while the two least disagree (:func:`settled`,
-    within 10 % or a microsecond), up to ``max_repeats`` calls or
-    ``deadline_s`` seconds; noisy where they never agreed."""
+    within 10 % or a microsecond) or, timed in CPU time, the thread had less
+    than :data:`MIN_SHARE` of a core, up to ``max_repeats`` calls or
+    ``deadline_s`` seconds; noisy where that never came right."""
     tick = clock()
     call()  # warm-up
     start = time.monotonic()
+    share = share_meter() if tick is time.thread_time else (lambda: 1.0)
     samples: list[float] = []
     while len(samples) < max_repeats:
         t0 = tick()
         call()
         samples.append((tick() - t0) * 1e3)
-        if len(samples) >= repeats and (settled(samples, slack=1e-3) or time.monotonic() - start > deadline_s):
+        clean = settled(samples, slack=1e-3) and share() >= MIN_SHARE
+        if len(samples) >= repeats and (clean or time.monotonic() - start > deadline_s):
             break
-    return min(samples), not settled(samples, slack=1e-3)
+    return min(samples), not clean
 
 
 @dataclass(frozen=True)
@@ -128,4 +138,4 @@ def disagreeing(a: dict[str, float], b: dict[str, float], scale=None, tolerance:
     return tuple(out)
 
 
-__all__ = ["NOISY_LIFETIME_S", "Steady", "best_ms", "clock", "remeasure_requested", "settled", "steady"]
+__all__ = ["NOISY_LIFETIME_S", "Steady", "best_ms", "clock", "remeasure_requested", "settled", "share_meter", "steady"]

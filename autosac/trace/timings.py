@@ -93,10 +93,12 @@ class TimingCache:
             return None
         return self.table.get(key)
 
-    def put(self, key: str, ms: float, noisy: bool = False) -> None:
-        """Keep ``ms`` for ``key``; ``noisy``: for :data:`NOISY_LIFETIME_S` seconds."""
+    def put(self, key: str, ms: float, noisy: bool | None = None) -> None:
+        """Keep ``ms`` for ``key``; ``noisy``: for :data:`NOISY_LIFETIME_S`
+        seconds.  A timing (``noisy`` not None) is marked either way, 0 where
+        clean: a file rewritten holds the same keys."""
         self.table[key] = ms
-        if noisy or key + NOISY in self.table:
+        if noisy is not None:
             self.table[key + NOISY] = time.time() + NOISY_LIFETIME_S if noisy else 0.0
         self._dirty = True
 
@@ -114,7 +116,7 @@ class TimingCache:
             fresh = min(ms, fresh)
             if not noisy:
                 self.put(key + CHECKED, 1.0)
-        self.put(key, fresh, noisy)
+        self.put(key, fresh, bool(noisy))
         return fresh
 
     def forget(self) -> None:
