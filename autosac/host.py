@@ -155,9 +155,9 @@ def calibrate(force: bool = False) -> HostCosts:
     On a busy machine (:mod:`autosac.noise`): while the figures of the even
     and the odd rounds differ by more than 10 %, or the measuring thread had
     less than 90 % of a core, the rounds are doubled, up to 16 rounds or about
-    30 s; figures that never settled are used, with one warning, and kept on
-    disk for an hour only.  ``force=True``,
-    ``AUTOSAC_REMEASURE=1`` or :func:`remeasure` measure them again.
+    20 s; figures that never settled are used, with one logged warning, and
+    kept on disk for an hour only.  ``force=True``, ``AUTOSAC_REMEASURE=1``
+    or :func:`remeasure` measure them again.
 
     Example::
 
@@ -285,7 +285,7 @@ def _tiny(width: int) -> nn.Module:
 
 
 def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, rounds: int = 4,
-             max_rounds: int = 16, deadline_s: float = 30.0) -> Measured:
+             max_rounds: int = 16, deadline_s: float = 20.0) -> Measured:
     """This machine's figures (see :func:`calibrate`), measured until two
     halves of the rounds agree (:func:`autosac.noise.steady`), bounded."""
     with torch.random.fork_rng(devices=[]):

@@ -164,6 +164,21 @@ def test_a_noisy_op_timing_expires(fresh):
     assert again.timed("op", lambda: (1.5, False), expected_ms=1.0) == 1.5 and again.get("op") == 1.5
 
 
+def test_a_cpu_roofline_measured_under_noise_expires(fresh, monkeypatch):
+    calls = []
+    monkeypatch.setattr(costs, "best_ms", lambda call, repeats=3: calls.append(1) or (1.0, True))
+    spec = costs.local_cpu_spec()
+    assert spec.bandwidth == 2 * (8 << 20) / 1e-3 and len(calls) == 2
+    table = json.loads(cache_path().read_text())
+    assert table["roofline-flops" + timings.NOISY] > time.time()
+    table["roofline-flops" + timings.NOISY] = time.time() - 1  # an hour later, another process
+    cache_path().write_text(json.dumps(table))
+    _new_process(monkeypatch)
+    costs.local_cpu_spec.cache_clear()
+    costs.local_cpu_spec()
+    assert len(calls) == 4  # measured again
+
+
 # --- measuring again ------------------------------------------------------------------------------
 
 def _tiny():

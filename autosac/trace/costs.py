@@ -10,7 +10,6 @@ inputs may be indices or workspaces, use a CPU roofline calibrated once.
 
 from __future__ import annotations
 
-import time
 from functools import cache, lru_cache
 
 import torch
@@ -358,21 +357,14 @@ def local_cpu_spec() -> DeviceSpec:
     if flops and bandwidth:  # the cache holds only finite numbers >= 0 (autosac.trace.timings); 0 is none
         return DeviceSpec("cpu-roofline", {"float32": flops}, bandwidth, compute_efficiency=1.0, memory_efficiency=1.0,
                           device_type="cpu")
-    with unset_fake_temporarily():
+    with unset_fake_temporarily():  # the least of settled calls; noisy ones are kept an hour (autosac.noise)
         a = torch.randn(512, 512)
-        torch.mm(a, a)
-        t0 = time.perf_counter()
-        for _ in range(5):
-            torch.mm(a, a)
-        flops = 5 * 2 * 512**3 / (time.perf_counter() - t0)
+        mm_ms, mm_noisy = best_ms(lambda: torch.mm(a, a), repeats=5)
         x = torch.empty(8 << 20, dtype=torch.uint8)
-        x.clone()
-        t0 = time.perf_counter()
-        for _ in range(5):
-            x.clone()
-        bandwidth = 5 * 2 * x.numel() / (time.perf_counter() - t0)
-    timings.put("roofline-flops", flops)
-    timings.put("roofline-bandwidth", bandwidth)
+        clone_ms, clone_noisy = best_ms(x.clone, repeats=5)
+    flops, bandwidth = 2 * 512**3 / max(mm_ms / 1e3, 1e-9), 2 * x.numel() / max(clone_ms / 1e3, 1e-9)
+    timings.put("roofline-flops", flops, mm_noisy)
+    timings.put("roofline-bandwidth", bandwidth, clone_noisy)
     timings.save()
     return DeviceSpec("cpu-roofline", {"float32": flops}, bandwidth, compute_efficiency=1.0, memory_efficiency=1.0,
                           device_type="cpu")
