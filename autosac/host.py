@@ -213,6 +213,16 @@ def _cached(cache) -> HostCosts | None:
         return None
 
 
+def noisy_until() -> float | None:
+    """When this machine's cached host figures expire (epoch seconds) where
+    they were measured on a busy machine; None where they are clean or none
+    are cached."""
+    from autosac.trace.timings import TimingCache
+
+    until = TimingCache().get(NOISY_KEY)
+    return until or None
+
+
 def remeasure(ops: bool = True) -> HostCosts:
     """Measure this machine's host figures again now (and rewrite the cache);
     with ``ops``, also forget its cached CPU op timings and roofline, which
@@ -424,4 +434,4 @@ def _take_round(variants: dict, x: torch.Tensor, repeats: int = 3) -> dict:
     return samples, share()
 
 
-__all__ = ["HostCosts", "calibrate", "host_costs", "remeasure"]
+__all__ = ["HostCosts", "calibrate", "host_costs", "noisy_until", "remeasure"]

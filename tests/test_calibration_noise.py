@@ -122,7 +122,7 @@ def test_noisy_host_figures_are_used_for_an_hour_then_measured_again(fresh, monk
     said = [r.getMessage() for r in caplog.records if "busy" in r.getMessage()]
     assert len(said) == 1 and "op_us varied" in said[0] and "AUTOSAC_REMEASURE=1" in said[0]
     table = json.loads(cache_path().read_text())
-    assert table[host.NOISY_KEY] > time.time()  # marked noisy, not clean (0)
+    assert table[host.NOISY_KEY] > time.time() and host.noisy_until() == table[host.NOISY_KEY]  # not clean (0)
     _new_process(monkeypatch)
     assert host.calibrate() == CLEAN and calls == [1]  # within the hour: kept
     _new_process(monkeypatch)
@@ -130,7 +130,7 @@ def test_noisy_host_figures_are_used_for_an_hour_then_measured_again(fresh, monk
     monkeypatch.setattr(host.time, "time", lambda: later)
     monkeypatch.setattr(host, "_measure", lambda: calls.append(2) or CLEAN)  # clean this time
     assert host.calibrate() == CLEAN and calls == [1, 2]
-    assert json.loads(cache_path().read_text())[host.NOISY_KEY] == 0  # clean: kept
+    assert json.loads(cache_path().read_text())[host.NOISY_KEY] == 0 and host.noisy_until() is None  # clean: kept
 
 
 def test_the_calibration_marks_its_figures_noisy_when_its_thread_shares_a_core(fresh, monkeypatch):
@@ -177,6 +177,21 @@ def test_a_cpu_roofline_measured_under_noise_expires(fresh, monkeypatch):
     costs.local_cpu_spec.cache_clear()
     costs.local_cpu_spec()
     assert len(calls) == 4  # measured again
+
+
+def test_bad_noise_marks_in_the_cache_give_one_warning_and_are_measured_again(fresh, monkeypatch):
+    """Marks are entries like any other: one that is not a number >= 0 is
+    dropped with the file's one warning, and what it marked measured again."""
+    path = cache_path()
+    good = {f"{host.CACHE_KEY}:{k}": v for k, v in CLEAN.to_dict().items()}
+    path.write_text(json.dumps({**good, host.NOISY_KEY: -5.0, "op" + timings.NOISY: "soon", "op": 1.0}))
+    calls = []
+    monkeypatch.setattr(host, "_measure", lambda: calls.append(1) or HostCosts(op_us=9.0))
+    with pytest.warns(UserWarning, match="timing again and rewriting it") as seen:
+        assert host.calibrate() == HostCosts(op_us=9.0) and calls == [1]
+    assert len([w for w in seen if str(path) in str(w.message)]) == 1
+    table = json.loads(path.read_text())
+    assert table[host.NOISY_KEY] == 0 and "op" + timings.NOISY not in table and table["op"] == 1.0
 
 
 # --- measuring again ------------------------------------------------------------------------------
