@@ -57,10 +57,12 @@ class SearchRow:
     A feasible row has ``plan`` (``None`` where the step fits as it is),
     ``predicted_peak_bytes`` (per rank), ``predicted_step_ms`` (one
     optimizer step) and ``predicted_samples_per_s``.  A row that does not fit
-    has ``min_feasible_bytes``, the least peak any plan reaches, and
+    has ``min_feasible_bytes``, the least peak any plan reaches (where the
+    exact chain DP applies, a lower bound on it within 0.1 %), and
     ``over_bytes``, by how much that exceeds the memory; a row not profiled
     (``skipped``: a smaller batch already did not fit) has ``over_bytes`` as
-    a lower bound.  ``note`` says which in words."""
+    a lower bound.  ``note`` says which in words; ``stats`` is the row's
+    profile."""
 
     batch_size: int
     grad_accumulation: int
@@ -154,8 +156,9 @@ def search(
             (their rows then say by exactly how much they miss).  By default
             they are skipped: a larger batch needs more memory (with at least
             the gradients alive the smaller one had).
-        reuse: an earlier result for the same model, ``make_inputs`` and
-            profile options (another memory, say): its profiles are reused.
+        reuse: an earlier result (for another memory, say): its profiles are
+            reused where the model, ``make_inputs`` (the same function),
+            target and profile options are the same, else profiled anew.
         on_row: called as ``on_row(done, total)`` after each batch size (progress).
         profile_options: ``loss_fn``, ``optimizer``, ``world_size``,
             ``autocast``, ``grad_accumulation``, ... as :func:`autosac.profile`.

@@ -177,3 +177,16 @@ def test_plan_memory_writes_the_chosen_plan_that_loads_back(memory, batches, tmp
     assert bool(plan.decisions) == ("checkpointed" in best[0])
     model, idx = build_model("gpt-tiny", batch=chosen)
     autosac.apply(model, plan)  # a plan for this model (an empty one where nothing needs checkpointing)
+
+
+def test_rebatched_cycles_the_rows_of_every_batched_tensor():
+    import torch
+
+    x = torch.arange(6).reshape(3, 2)
+    inputs = {"ids": x, "mask": x > 2, "scale": torch.tensor(2.0), "n": 3}
+    out = rebatched(inputs, 5)
+    assert out["ids"].tolist() == [[0, 1], [2, 3], [4, 5], [0, 1], [2, 3]]
+    assert out["mask"].shape == (5, 2) and out["scale"].dim() == 0 and out["n"] == 3
+    assert rebatched(torch.zeros(3, 7, device="meta"), 2).shape == (2, 7)
+    with pytest.raises(ValueError, match="no tensor with a batch dimension"):
+        rebatched(torch.tensor(1.0), 4)
