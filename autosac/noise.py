@@ -9,9 +9,10 @@ to a measurement.  Three defences, each bounded in time:
   another process ran -- a wall clock does;
 * the least of several samples, and a check that it has settled: the two
   least samples of an op agree (:func:`best_ms`), or the figures estimated
-  from two halves of interleaved rounds agree and the measuring thread had
-  the core to itself (:func:`steady`); where not, more samples are taken, up
-  to a bound, and the result is marked noisy;
+  from two halves of interleaved rounds agree (:func:`steady`), and the
+  measuring thread had at least :data:`MIN_SHARE` of a core (beside another
+  process even CPU time grows, through shared caches); where not, more
+  samples are taken, up to a bound, and the result is marked noisy;
 * what a noisy measurement gives is not kept as if clean: noisy op timings
   and host figures are kept :data:`NOISY_LIFETIME_S` seconds, then measured
   again.
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-NOISY_LIFETIME_S = 3600.0  # noisy host figures are measured again after this
+NOISY_LIFETIME_S = 3600.0  # noisy host figures and op timings are measured again after this
 TOLERANCE = 0.10  # how far two estimates of one figure may be apart, relative
 MIN_SHARE = 0.9  # the least share of a core a measuring thread may have had for a clean figure
 REMEASURE_ENV = "AUTOSAC_REMEASURE"
