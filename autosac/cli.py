@@ -306,6 +306,23 @@ def cmd_build_native(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    """This machine's host costs (measured once, cached); ``--remeasure``: again now."""
+    import time
+
+    from autosac import host
+
+    costs = host.remeasure(ops=not args.keep_op_timings) if args.remeasure else host.calibrate()
+    for name, value in costs.to_dict().items():
+        unit = "bytes" if name.endswith("_bytes") else "us/MiB" if name.endswith("_per_mib") else "us"
+        print(f"{name:28s} {'-' if value is None else f'{value:.3f} {unit}'}")
+    until = host.noisy_until()
+    if until:
+        print(f"measured on a busy machine: measured again after {time.strftime('%H:%M', time.localtime(until))}, "
+              "or now with autosac calibrate --remeasure")
+    return 0
+
+
 def _plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="print the activation-checkpointing plan for a budget, or the batch size and "
                                     "plan that run fastest in a memory")
@@ -348,6 +365,12 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build-native", help="compile the native pack_downcast op now (else: on first use)")
     b.add_argument("--verbose", action="store_true", help="show the compiler's commands and output")
     b.set_defaults(func=cmd_build_native)
+    c = sub.add_parser("calibrate", help="show this machine's host costs (measured once and cached); "
+                       "--remeasure measures them and the CPU op timings again")
+    c.add_argument("--remeasure", action="store_true",
+                   help="measure again now (after a calibration on a busy machine); forgets the CPU op timings too")
+    c.add_argument("--keep-op-timings", action="store_true", help="with --remeasure: keep the CPU op timings")
+    c.set_defaults(func=cmd_calibrate)
 
     args = parser.parse_args(argv)
     # autosac's own warnings in one line; PyTorch's internal ones are not the user's concern

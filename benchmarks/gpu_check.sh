@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU measurement the project claims, in about five minutes on one H100 (the steps' limits add
-# up to 355 s; on 2026-11-26 tests, gpu_verify, gpu_compile --quick and gpu_hf_gpt2 took 290 s together).
+# up to 445 s; on 2026-11-26 tests, gpu_verify, gpu_compile --quick and gpu_hf_gpt2 took 290 s together;
+# bench_search --gpu, added since, is estimated at 30-45 s and not yet run on a GPU).
 #
 #   bash benchmarks/gpu_check.sh            # from the repository root, on a machine with a CUDA GPU
 #   FULL=1 bash benchmarks/gpu_check.sh     # the whole compiled comparison (gpt2 and Llama, three fractions): longer
@@ -16,6 +17,8 @@
 #   gpu_compile.md            compiled plans against torch.compile's activation_memory_budget
 #   gpu_overhead.txt          plans against torch.utils.checkpoint and torch's SAC at their peaks
 #   gpu_hf_gpt2.txt           transformers GPT-2: autosac's plan against its own gradient checkpointing
+#   bench_search_gpu.md       autosac.search: built-in gpt2, bf16, 20 GiB, batch 4..64: the predicted choice
+#                             against every feasible candidate run, peaks within the memory
 # Each step has a time limit; one that runs out is said so in summary.txt, and the others still run.
 # PuLP: where it is missing and .whl/ holds its wheel (carried to the GPU machine), it is installed
 # into /tmp/site first.
@@ -58,6 +61,7 @@ else
   step gpu_overhead 30 sh -c "python3 benchmarks/gpu_overhead.py --models gpt2 > '$DIR/gpu_overhead.txt'"
 fi
 step gpu_hf_gpt2 60 sh -c "python3 benchmarks/gpu_hf_gpt2.py > '$DIR/gpu_hf_gpt2.txt'"
+step bench_search 90 sh -c "python3 benchmarks/bench_search.py --gpu > '$DIR/bench_search_gpu.md'"
 if [ -n "${OUT:-}" ]; then
   mkdir -p "$OUT/gpu-$DATE" && cp "$DIR"/* "$OUT/gpu-$DATE/"
 fi

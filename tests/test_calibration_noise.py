@@ -278,3 +278,16 @@ def test_a_slow_op_confirmed_by_timing_it_again_is_checked_once(fresh):
     cache.put("busy", 5.0)  # timed again under noise: the lesser is used, not marked checked
     assert cache.timed("busy", lambda: (6.0, True), expected_ms=0.001) == 5.0
     assert cache.get("busy" + timings.CHECKED) is None
+
+
+def test_the_cli_shows_the_cached_figures_and_remeasures_them_on_request(fresh, monkeypatch, capsys):
+    from autosac.cli import main
+
+    calls = []
+    monkeypatch.setattr(host, "_measure", lambda: calls.append(1) or Measured(CLEAN, (), 4))
+    assert main(["calibrate"]) == 0 and calls == [1]
+    shown = capsys.readouterr().out
+    assert "checkpoint_call_us" in shown and "100.000 us" in shown and "busy" not in shown
+    _new_process(monkeypatch)
+    assert main(["calibrate"]) == 0 and calls == [1]  # cached: not measured again
+    assert main(["calibrate", "--remeasure"]) == 0 and calls == [1, 1]
