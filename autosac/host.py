@@ -61,9 +61,10 @@ from torch import nn
 
 from autosac.noise import MIN_SHARE, NOISY_LIFETIME_S, TOLERANCE, remeasure_requested, share_meter, steady
 
-CACHE_KEY = "host-costs-v11"  # bump when the micro-benchmark changes (v11: a plain layer between calibrated regions)
+CACHE_KEY = "host-costs-v12"  # bump when the micro-benchmark changes (v12: a large size too, autosac.hostsize)
 _FIELDS = ("op_us", "checkpoint_call_us", "saved_tensor_us", "selective_op_us", "untimed_op_us", "backward_op_us",
-           "backward_untimed_us")
+           "backward_untimed_us", "small_op_bytes", "large_op_bytes", "untimed_us_per_mib", "backward_untimed_us_per_mib",
+           "selective_us_per_mib")
 _SIGNED = ("backward_untimed_us",)
 _PER_OP = ("op_us", "selective_op_us", "untimed_op_us", "backward_op_us", "backward_untimed_us")
 NOISY_KEY = f"{CACHE_KEY}:noisy_until"  # 0: measured clean; else when the noisy figures expire (epoch seconds)
@@ -86,26 +87,48 @@ class HostCosts:
     untimed_op_us: float = 0.0
     backward_op_us: float | None = None
     backward_untimed_us: float | None = None
+    # CPU kernels: what a large op adds to the per-op figures per MiB it makes, and the two
+    # calibrations' typical op sizes in bytes (autosac.hostsize; 0: none measured)
+    small_op_bytes: float = 0.0
+    large_op_bytes: float = 0.0
+    untimed_us_per_mib: float = 0.0
+    backward_untimed_us_per_mib: float = 0.0
+    selective_us_per_mib: float = 0.0
 
-    def op_ms(self, kernel_ms: float, device_type: str, timed: bool, backward: bool = False) -> float:
+    def size_us(self, nbytes: float, us_per_mib: float) -> float:
+        """What an op making ``nbytes`` adds to a per-op figure (:func:`autosac.hostsize.extra_us`)."""
+        from autosac.hostsize import extra_us
+
+        return extra_us(nbytes, self.small_op_bytes, self.large_op_bytes, us_per_mib)
+
+    def op_ms(self, kernel_ms: float, device_type: str, timed: bool, backward: bool = False, nbytes: int = 0) -> float:
         """One op call's time from its kernel's: on a GPU the longer of the
         two (the host issues the next op while the kernel runs); on the CPU
         their sum, where ``timed`` (the kernel time was measured by calling
         the op) only the host time that measurement does not see (never
-        below zero).  ``backward``: an op the autograd engine calls."""
+        below zero).  ``backward``: an op the autograd engine calls.
+        ``nbytes``: what the op makes; on a CPU whose kernels were timed, a
+        large op costs more per MiB it makes (:mod:`autosac.hostsize`)."""
         whole, untimed = self.op_us, self.untimed_op_us
         if backward:
             whole = whole if self.backward_op_us is None else self.backward_op_us
             untimed = untimed if self.backward_untimed_us is None else self.backward_untimed_us
         if device_type != "cpu":
             return max(kernel_ms, whole / 1e3)
+        if timed and nbytes:
+            untimed += self.size_us(nbytes, self.backward_untimed_us_per_mib if backward else self.untimed_us_per_mib)
         return max(0.0, kernel_ms + (untimed if timed else whole) / 1e3)
 
-    def checkpoint_ms(self, saved_tensors: int, ops: int, selective: bool) -> float:
+    def checkpoint_ms(self, saved_tensors: int, ops: int, selective: bool, op_bytes=()) -> float:
         """What checkpointing one call costs the host: per call, per tensor its
-        forward saves, and (selectively) per op call, in the forward and the replay."""
+        forward saves, and (selectively) per op call, in the forward and the replay.
+        ``op_bytes``: what each op call makes, where its kernels run on this
+        CPU: large ones cost more per MiB they make (:mod:`autosac.hostsize`)."""
         us = self.checkpoint_call_us + saved_tensors * self.saved_tensor_us
-        return (us + (2 * ops * self.selective_op_us if selective else 0.0)) / 1e3
+        if selective:
+            us += 2 * ops * self.selective_op_us
+            us += 2 * sum(self.size_us(b, self.selective_us_per_mib) for b in op_bytes)
+        return us / 1e3
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -306,10 +329,12 @@ def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, r
             "deep": _calibration_models(lambda: _Block(width, 3), regions, x),
             "tiny": _calibration_models(lambda: _tiny(width), 4 * regions, x),
         }
+        models["large"], x_large = _large_models()
     # rounds interleaved across the models: drift hits them alike
     variants = {(size, k): m for size, setup in models.items() for k, m in setup["variants"].items()}
-    _take_round(variants, x, repeats=1)  # warm-up
-    got = steady(lambda: _take_round(variants, x), lambda taken: _estimate(models, taken), _scale, rounds=rounds,
+    inputs = {key: x_large if key[0] == "large" else x for key in variants}
+    _take_round(variants, inputs, repeats=1)  # warm-up
+    got = steady(lambda: _take_round(variants, inputs), lambda taken: _estimate(models, taken), _scale, rounds=rounds,
                  max_rounds=max_rounds, deadline_s=deadline_s)
     reasons = []
     if got.disagreeing:
@@ -326,16 +351,35 @@ def _estimate(models: dict, taken: list[dict]) -> dict[str, float]:
     got = {size: _figures(setup, {k: t for (s, k), t in least.items() if s == size},
                           {k: t for (s, k), t in least_fw.items() if s == size})
            for size, setup in models.items()}
-    shallow, deep, tiny = got["shallow"], got["deep"], got["tiny"]
+    shallow, deep, tiny, large = got["shallow"], got["deep"], got["tiny"], got.get("large")
     # per call: mechanism = call + saved * saved_tensor; the tiny call is nearly all
     # per-call cost, the deep one saves many tensors
     saved_us = max(0.0, (deep["mechanism_us"] - tiny["mechanism_us"]) / max(1, deep["saved"] - tiny["saved"]))
     call_us = max(0.0, tiny["mechanism_us"] - tiny["saved"] * saved_us)
     selective_us = max(0.0, shallow["selective_us"] / (2 * shallow["ops"]))
-    return {"op_us": round(shallow["op_us"], 3), "checkpoint_call_us": round(call_us, 2),
-            "saved_tensor_us": round(saved_us, 3), "selective_op_us": round(selective_us, 3),
-            "untimed_op_us": round(shallow["untimed_op_us"], 3), "backward_op_us": round(shallow["backward_op_us"], 3),
-            "backward_untimed_us": round(shallow["backward_untimed_us"], 3)}
+    small = {"op_us": round(shallow["op_us"], 3), "checkpoint_call_us": round(call_us, 2),
+             "saved_tensor_us": round(saved_us, 3), "selective_op_us": round(selective_us, 3),
+             "untimed_op_us": round(shallow["untimed_op_us"], 3), "backward_op_us": round(shallow["backward_op_us"], 3),
+             "backward_untimed_us": round(shallow["backward_untimed_us"], 3)}
+    return small if large is None else {**small, **_large_figures(models, small, large)}
+
+
+def _large_models() -> tuple[dict, torch.Tensor]:
+    """The calibration at the large size (:mod:`autosac.hostsize`): one
+    block per region, plain, twice, whole and selective, as the shallow one."""
+    from autosac.hostsize import LARGE_BATCH, LARGE_REGIONS, LARGE_SEQ, LARGE_WIDTH
+
+    x = torch.randn(LARGE_BATCH, LARGE_SEQ, LARGE_WIDTH)
+    return _calibration_models(lambda: _Block(LARGE_WIDTH, 1), LARGE_REGIONS, x, selective=True), x
+
+
+def _large_figures(models: dict, small: dict, large: dict) -> dict[str, float]:
+    """The large-size extras and both sizes' typical op bytes (:func:`autosac.hostsize.fit_extras`)."""
+    from autosac.hostsize import anchor_bytes, fit_extras
+
+    small_bytes, large_bytes = anchor_bytes(models["shallow"]["stats"]), anchor_bytes(models["large"]["stats"])
+    extras = fit_extras(small, large, models["large"]["stats"], small_bytes, large_bytes)
+    return {"small_op_bytes": round(small_bytes), "large_op_bytes": round(large_bytes), **extras}
 
 
 def _scale(figures: dict[str, float], name: str) -> float:
@@ -416,13 +460,13 @@ def _figures(setup: dict, times: dict[str, float], forwards: dict[str, float]) -
 
 def _take_round(variants: dict, x: torch.Tensor, repeats: int = 3) -> dict:
     """One round: ``repeats`` (forward ms, forward-and-backward ms) samples
-    per variant, in CPU time of this thread (the calibration's ops are too
+    per variant (on ``x``, or ``x[name]`` where it is a dict), in CPU time of this thread (the calibration's ops are too
     small to run on other threads, and another process's time slices are
     not counted), and the share of a core the thread had meanwhile."""
     tick = time.thread_time
     share = share_meter()
 
-    def step(m) -> tuple[float, float]:
+    def step(m, x) -> tuple[float, float]:
         t0 = tick()
         loss = m(x).sum()
         t1 = tick()
@@ -430,7 +474,8 @@ def _take_round(variants: dict, x: torch.Tensor, repeats: int = 3) -> dict:
         m.zero_grad(set_to_none=True)
         return (t1 - t0) * 1e3, (tick() - t0) * 1e3
 
-    samples = {name: [step(m) for _ in range(repeats)] for name, m in variants.items()}
+    samples = {name: [step(m, x[name] if isinstance(x, dict) else x) for _ in range(repeats)]
+               for name, m in variants.items()}
     return samples, share()
 
 

@@ -39,7 +39,9 @@ def test_host_costs_are_checked_and_travel_with_the_target():
     stats = autosac.profile(model, idx, target=spec)
     assert stats.target["host"] == {"op_us": 1.0, "checkpoint_call_us": 2.0, "saved_tensor_us": 3.0,
                                     "selective_op_us": 4.0, "untimed_op_us": 0.0, "backward_op_us": None,
-                                    "backward_untimed_us": None}
+                                    "backward_untimed_us": None, "small_op_bytes": 0.0, "large_op_bytes": 0.0,
+                                    "untimed_us_per_mib": 0.0, "backward_untimed_us_per_mib": 0.0,
+                                    "selective_us_per_mib": 0.0}
     assert autosac.ModelStats.from_json(stats.to_json()).target == stats.target
 
 

@@ -321,7 +321,10 @@ def _mechanism(stats: ModelStats, m, window, n_items: int, picks: list[int], hos
     can_be_plain = not m.writes_outside and not kept_anyway
     ops = window[1] - window[0]
     saved = m.saved_tensors[0] if m.saved_tensors else 0  # the first call's; the calls run alike
-    mechanism = [host.checkpoint_ms(saved, ops, selective=not (can_be_plain and k == n_items)) for k in picks]
+    # where the kernels run on this CPU, large ops cost a selective call's per-op work more (autosac.hostsize)
+    made = stats.timeline.made_bytes[window[0] : window[1]] if stats.target.get("device_type") == "cpu" else ()
+    mechanism = [host.checkpoint_ms(saved, ops, selective=not (can_be_plain and k == n_items), op_bytes=made)
+                 for k in picks]
     whole_ms = float(sum(stats.timeline.ms[window[0] : window[1]])) if can_be_plain else None
     return mechanism, whole_ms
 

@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from autosac.devices import DeviceSpec
 from autosac.host import host_costs
+from autosac.hostsize import made_bytes
 from autosac.noise import best_ms
 from autosac.opkinds import is_view_op
 from autosac.trace.timings import TimingCache
@@ -252,13 +253,15 @@ class CostModel:
         dispatch included (:meth:`with_host`); a view's is only that.
         ``backward``: called by the autograd engine (less host time)."""
         ms, flops = self._kernel_ms(func, args, kwargs, out)
-        return self.with_host(ms, backward), flops
+        return self.with_host(ms, backward, made_bytes(func, args, kwargs, out)), flops
 
-    def with_host(self, kernel_ms: float, backward: bool = False) -> float:
+    def with_host(self, kernel_ms: float, backward: bool = False, nbytes: int = 0) -> float:
         """An op call's time with the host's (:meth:`autosac.host.HostCosts.op_ms`):
         on a GPU the two overlap (the longer counts: a short kernel waits for
-        the next op to be issued); on the CPU they add up."""
-        return self.host.op_ms(kernel_ms, self.spec.device_type, timed=self.spec.measured, backward=backward)
+        the next op to be issued); on the CPU they add up, and an op making
+        ``nbytes`` of large data costs the host more (:mod:`autosac.hostsize`)."""
+        return self.host.op_ms(kernel_ms, self.spec.device_type, timed=self.spec.measured, backward=backward,
+                               nbytes=nbytes)
 
     def _kernel_ms(self, func, args, kwargs, out) -> tuple[float, int]:
         if is_view_op(func) or func.overloadpacket.__name__ in _ALIASES:

@@ -1,0 +1,101 @@
+"""Host time that grows with the ops' data on a CPU target (autosac.hostsize):
+exact accounting of what large ops, an optimizer's in-place foreach ops and a
+selective region's op calls are priced, and the calibration's fit.  How well
+it predicts is measured in benchmarks/predict_suite.py, not here."""
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from suite import A100_CPU_KERNELS
+
+import autosac
+from autosac.host import HostCosts, _Block
+from autosac.hostsize import MIB, anchor_bytes, extra_us, fit_extras
+from autosac.models import build_model
+from autosac.solver.problem import build_problem
+from autosac.trace.costs import CostModel
+
+SMALL, LARGE = 32 << 10, 1 << 20
+SIZED = HostCosts(op_us=10.0, untimed_op_us=2.0, backward_untimed_us=1.0, selective_op_us=5.0,
+                  small_op_bytes=SMALL, large_op_bytes=LARGE, untimed_us_per_mib=80.0,
+                  backward_untimed_us_per_mib=40.0, selective_us_per_mib=20.0)
+
+
+def test_a_large_op_pays_per_mib_it_makes_by_its_share_between_the_calibrated_sizes():
+    assert SIZED.op_ms(1.0, "cpu", timed=True, nbytes=SMALL) == pytest.approx(1.0 + 2.0 / 1e3)  # no more
+    assert SIZED.op_ms(1.0, "cpu", timed=True, nbytes=LARGE) == pytest.approx(1.0 + (2.0 + 80.0) / 1e3)
+    assert SIZED.op_ms(1.0, "cpu", timed=True, nbytes=4 * LARGE) == pytest.approx(1.0 + (2.0 + 320.0) / 1e3)
+    mid = 256 << 10  # share log(8) / log(32) = 0.6 of 80 us per MiB, on a quarter MiB
+    assert SIZED.op_ms(1.0, "cpu", timed=True, nbytes=mid) == pytest.approx(1.0 + (2.0 + 0.6 * 80 / 4) / 1e3)
+    assert SIZED.op_ms(1.0, "cpu", timed=True, backward=True, nbytes=LARGE) == pytest.approx(1.0 + 41.0 / 1e3)
+    # a GPU's kernels evict no host cache; an untimed CPU op pays the whole op_us already
+    assert SIZED.op_ms(1.0, "cuda", timed=False, nbytes=LARGE) == 1.0
+    assert SIZED.op_ms(0.0, "cpu", timed=False, nbytes=LARGE) == pytest.approx(10.0 / 1e3)
+    # figures without a large calibration (older caches, stated hosts): nothing more
+    assert HostCosts(untimed_op_us=2.0).op_ms(1.0, "cpu", timed=True, nbytes=LARGE) == pytest.approx(1.002)
+
+
+def test_an_optimizers_in_place_foreach_op_is_priced_by_the_bytes_it_writes():
+    """AdamW's foreach ops return nothing: what they write is their inputs."""
+    cm = CostModel(replace(autosac.devices.DEVICES["cpu"], host=HostCosts()))
+    tensors = [torch.full((256, 256), 0.5) for _ in range(4)]  # 1 MiB in all
+    op = torch.ops.aten._foreach_mul_.Scalar
+    bare, _ = cm.op_ms(op, (tensors, 0.9), {}, None)
+    cm.host = SIZED  # the same timing (cached), priced with the large-size figure
+    sized, _ = cm.op_ms(op, (tensors, 0.9), {}, None)
+    assert sized - bare == pytest.approx((2.0 + 80.0) / 1e3)
+    view, _ = cm.op_ms(torch.ops.aten.view.default, (tensors[0], [-1]), {}, tensors[0].view(-1))
+    assert view == pytest.approx(2.0 / 1e3)  # a view makes nothing
+
+
+def _selective_mechanisms(host: HostCosts, device_type: str):
+    torch.manual_seed(0)
+    model, idx = build_model("gpt2", device="meta", n_layer=2, dim=128, n_head=4, seq=128, vocab=256, batch=4)
+    target = replace(A100_CPU_KERNELS, device_type=device_type, host=host)
+    stats = autosac.profile(model, idx, target=target, optimizer="sgd")
+    return stats, build_problem(stats)
+
+
+def test_a_selective_regions_op_calls_cost_more_by_what_they_make_on_a_cpu_target_only():
+    without = replace(SIZED, selective_us_per_mib=0.0)
+    stats, sized = _selective_mechanisms(SIZED, "cpu")
+    _, plain = _selective_mechanisms(without, "cpu")
+    checked = 0
+    for a, b in zip(sized.candidates, plain.candidates):
+        made = stats.timeline.made_bytes[a.window[0] : a.window[1]]
+        extra = 2 * sum(extra_us(m, SMALL, LARGE, 20.0) for m in made) / 1e3  # the forward and the replay
+        for ma, mb in zip(a.mechanism, b.mechanism):
+            selective = not math.isclose(mb, without.checkpoint_ms(stats.modules[a.fqn].saved_tensors[0], 0, False))
+            assert ma - mb == pytest.approx(extra if selective else 0.0, abs=1e-12)
+            checked += selective and extra > 0
+    assert checked  # some choice is selective, over ops larger than the small size
+    _, gpu = _selective_mechanisms(SIZED, "cuda")
+    _, gpu_plain = _selective_mechanisms(without, "cuda")
+    assert [c.mechanism for c in gpu.candidates] == [c.mechanism for c in gpu_plain.candidates]
+
+
+def test_the_fitted_extras_price_the_large_calibration_model_as_measured():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Block(64, 1), _Block(64, 1))
+    stats = autosac.profile(model, torch.randn(2, 64, 64), target=replace(A100_CPU_KERNELS, host=HostCosts()),
+                            optimizer="none", output_held=False)
+    small = {"untimed_op_us": 3.0, "backward_untimed_us": 1.5, "selective_op_us": 10.0}
+    large = {"untimed_op_us": 30.0, "backward_untimed_us": 12.0, "selective_us": 4000.0}
+    small_bytes = 1024.0
+    large_bytes = anchor_bytes(stats)
+    assert small_bytes < large_bytes
+    got = fit_extras(small, large, stats, small_bytes, large_bytes)
+    tl = stats.timeline
+    fw = [m for m, ph in zip(tl.made_bytes, tl.phases) if ph != "backward"]
+    bw = [m for m, ph in zip(tl.made_bytes, tl.phases) if ph == "backward"]
+    priced_fw = sum(3.0 + extra_us(m, small_bytes, large_bytes, got["untimed_us_per_mib"]) for m in fw)
+    priced_bw = sum(1.5 + extra_us(m, small_bytes, large_bytes, got["backward_untimed_us_per_mib"]) for m in bw)
+    assert priced_fw == pytest.approx(30.0 * len(fw), rel=1e-3)
+    assert priced_bw == pytest.approx(12.0 * len(bw), rel=1e-3)
+    w0, w1 = stats.modules["0"].fw_windows[0]
+    priced_sel = sum(10.0 + extra_us(m, small_bytes, large_bytes, got["selective_us_per_mib"])
+                     for m in tl.made_bytes[w0:w1])
+    assert 2 * priced_sel == pytest.approx(4000.0, rel=1e-3)
+    assert got["untimed_us_per_mib"] > 0 and MIB == 1 << 20
