@@ -14,8 +14,8 @@ short and selective plans' overheads 3-7 points low
 
 :func:`autosac.host.calibrate` therefore runs its micro-benchmark at two
 sizes: the small one gives the host figures, the large one how much more
-an op costs per MiB it writes (:func:`extra_us`; an in-place op writes its
-inputs: AdamW's foreach ops were priced 2.2 ms for a 4 ms step).  An op
+an op costs per MiB it makes (:func:`extra_us`; an op writing in place
+makes nothing: AdamW's foreach ops are priced as timed).  An op
 between the two sizes pays a share of that, by the logarithm of its bytes
 (:func:`share`); ops no larger than the small calibration's pay nothing
 more.  Each figure is fitted so that the large calibration model is priced
@@ -29,7 +29,7 @@ import math
 import torch
 from torch.utils._pytree import tree_leaves
 
-from autosac.opkinds import is_view_op, writes_input, written_tensors
+from autosac.opkinds import is_view_op, writes_input
 
 # the large calibration: a step of compute-bound size (outputs of 0.5-2 MiB per op)
 LARGE_WIDTH, LARGE_BATCH, LARGE_SEQ, LARGE_REGIONS = 256, 4, 128, 2
@@ -56,13 +56,14 @@ def share(nbytes: float, small: float, large: float) -> float:
 
 
 def made_bytes(func, args, kwargs, out) -> int:
-    """Bytes an op call writes: its outputs, or an in-place op's inputs it
-    writes (an optimizer's foreach ops); none for a view.  The size by which
-    its host cost is priced."""
-    if is_view_op(func):
+    """Bytes an op call makes: its outputs; none for a view or an op that
+    writes its input in place (an optimizer's foreach ops: their memory is
+    not fresh, and pricing what they write by this figure put the
+    dispatch-bound steps' AdamW 1-1.5 ms high).  The size by which its host
+    cost is priced."""
+    if is_view_op(func) or writes_input(func):
         return 0
-    written = written_tensors(func, args, kwargs) if writes_input(func) else tree_leaves(out)
-    return sum(t.numel() * t.element_size() for t in written if isinstance(t, torch.Tensor))
+    return sum(t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
 
 
 def anchor_bytes(stats) -> float:

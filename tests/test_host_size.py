@@ -37,17 +37,21 @@ def test_a_large_op_pays_per_mib_it_makes_by_its_share_between_the_calibrated_si
     assert HostCosts(untimed_op_us=2.0).op_ms(1.0, "cpu", timed=True, nbytes=LARGE) == pytest.approx(1.002)
 
 
-def test_an_optimizers_in_place_foreach_op_is_priced_by_the_bytes_it_writes():
-    """AdamW's foreach ops return nothing: what they write is their inputs."""
+def test_a_large_op_making_fresh_memory_pays_and_an_in_place_foreach_op_or_a_view_does_not():
+    """AdamW's foreach ops write memory the step keeps: priced as timed."""
     cm = CostModel(replace(autosac.devices.DEVICES["cpu"], host=HostCosts()))
     tensors = [torch.full((256, 256), 0.5) for _ in range(4)]  # 1 MiB in all
-    op = torch.ops.aten._foreach_mul_.Scalar
-    bare, _ = cm.op_ms(op, (tensors, 0.9), {}, None)
-    cm.host = SIZED  # the same timing (cached), priced with the large-size figure
-    sized, _ = cm.op_ms(op, (tensors, 0.9), {}, None)
-    assert sized - bare == pytest.approx((2.0 + 80.0) / 1e3)
-    view, _ = cm.op_ms(torch.ops.aten.view.default, (tensors[0], [-1]), {}, tensors[0].view(-1))
-    assert view == pytest.approx(2.0 / 1e3)  # a view makes nothing
+    ops = {"foreach": (torch.ops.aten._foreach_mul_.Scalar, (tensors, 0.9), None),
+           "mul": (torch.ops.aten.mul.Tensor, (tensors[0], tensors[1]), tensors[0] * tensors[1]),
+           "view": (torch.ops.aten.view.default, (tensors[0], [-1]), tensors[0].view(-1))}
+    bare = {k: cm.op_ms(op, args, {}, out)[0] for k, (op, args, out) in ops.items()}
+    cm.host = SIZED  # the same timings (cached), priced with the large-size figure
+    sized = {k: cm.op_ms(op, args, {}, out)[0] for k, (op, args, out) in ops.items()}
+    quarter = extra_us(256 * 256 * 4, SMALL, LARGE, 80.0)  # the mul's output: a quarter MiB
+    assert quarter > 0
+    assert sized["mul"] - bare["mul"] == pytest.approx((2.0 + quarter) / 1e3)
+    assert sized["foreach"] - bare["foreach"] == pytest.approx(2.0 / 1e3)
+    assert sized["view"] - bare["view"] == pytest.approx(2.0 / 1e3)
 
 
 def _selective_mechanisms(host: HostCosts, device_type: str):
