@@ -31,6 +31,10 @@ own, whatever the kernels cost:
 * ``selective_op_us``: each op call inside a selectively checkpointed call
   (some outputs cached, some recomputed), in the forward and again in the
   recompute: autosac's dispatch mode and its per-call checks.
+* ``untimed_us_per_mib``, ``backward_untimed_us_per_mib``,
+  ``selective_us_per_mib`` (with ``small_op_bytes`` and ``large_op_bytes``):
+  where the kernels run on this CPU, what an op making large data adds to
+  the three figures above per MiB it makes (:mod:`autosac.hostsize`).
 
 :func:`calibrate` measures them on this machine with a micro-benchmark
 (small transformer blocks run plain, with each forward run twice,
