@@ -177,7 +177,9 @@ def calibrate(force: bool = False) -> HostCosts:
     sizes of checkpointed call, which tell the per-call cost from the
     per-saved-tensor one), checkpointed whole; each model also with each
     region's forward run twice (what a checkpoint re-runs, without its
-    machinery).  The least CPU times of interleaved rounds; a few seconds.
+    machinery); and the shallow model again at width 256 (4x128, two regions),
+    for the per-MiB figures (:mod:`autosac.hostsize`).  The least CPU times of
+    interleaved rounds; 15-30 s on this 2-core machine.
 
     On a busy machine (:mod:`autosac.noise`): while the figures of the even
     and the odd rounds differ by more than 10 %, or the measuring thread had
