@@ -3,12 +3,11 @@
 Pipeline: :func:`profile` (trace) -> :class:`ModelStats` -> solve -> Plan -> apply.
 """
 
-from autosac import ops, schedule, zero3  # modules: autosac.ops.pack_downcast, autosac.schedule.memory_aware_order, ...
+from autosac import schedule, trace, zero3
 from autosac.api import solve
 from autosac.applier import apply, unapply
-from autosac.batch_search import search
-from autosac.devices import DEVICES, DeviceSpec
-from autosac.errors import (
+from autosac.core.devices import DEVICES, DeviceSpec
+from autosac.core.errors import (
     InfeasibleBudgetError,
     NothingToCheckpointError,
     PlanMismatchError,
@@ -17,11 +16,13 @@ from autosac.errors import (
     StatsFormatError,
     TraceError,
 )
-from autosac.measure import Measurement, measure
-from autosac.plan import Plan
-from autosac.stats import ModelStats
+from autosac.core.plan import Plan
+from autosac.core.stats import ModelStats
+from autosac.core.version import __version__
+from autosac.tools.measure import Measurement, measure
+from autosac.tools.search import search
 from autosac.trace import profile
-from autosac.version import __version__
+from autosac.zero3 import ops  # modules: autosac.ops.pack_downcast, autosac.schedule.memory_aware_order, ...
 
 __all__ = [
     "__version__",
@@ -47,3 +48,20 @@ __all__ = [
     "unapply",
     "zero3",
 ]
+
+from autosac import _moved  # noqa: E402
+from autosac.compile import CompiledPeak as _CompiledPeak  # noqa: E402
+from autosac.compile import compiled_peak as _compiled_peak  # noqa: E402
+from autosac.tools import calibrate as _calibrate  # noqa: E402, F401 - registers this host's calibration (core.host)
+
+# old names: autosac.trace.compiled_peak (the compiled trace is in autosac.compile now), and the
+# old module paths (autosac.plan, autosac.host, ...: autosac._moved)
+trace.compiled_peak, trace.CompiledPeak = _compiled_peak, _CompiledPeak
+_moved.install()
+
+
+def __getattr__(name: str):
+    module = _moved.module(name)
+    if module is None:
+        raise AttributeError(f"module 'autosac' has no attribute {name!r}")
+    return module

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from autosac.budget import is_least
-from autosac.devices import resolve_target
-from autosac.plan import Plan
+from autosac.core.budget import is_least
+from autosac.core.devices import resolve_target
+from autosac.core.plan import Plan
+from autosac.core.stats import ModelStats
 from autosac.solver import check_solve_options, solve_budget
-from autosac.stats import ModelStats
 from autosac.trace import profile
 
 __all__ = ["solve"]
@@ -61,7 +61,7 @@ def solve(
         compile: ``"inductor"`` (``torch.compile``'s default backend) or ``"aot_eager"``
             to plan for ``torch.compile(model, backend=compile)``: the compiled step is
             traced (fake mode) with each candidate plan applied and the budget lowered
-            until the compiled peak fits (:mod:`autosac.compile_fit`).  Needs the model
+            until the compiled peak fits (:mod:`autosac.compile.fit`).  Needs the model
             (not stats) and one process; a CPU or CUDA target, with or without
             ``autocast`` (a CUDA target's compiled step is traced with CUDA's casts
             and attention kernels and inductor's CPU code: no GPU is needed to
@@ -86,7 +86,7 @@ def solve(
     """
     check_solve_options(solver, time_limit_s)  # before the profile, which may take a while
     if compile is not None:
-        from autosac.compile_fit import check_backend, check_setting
+        from autosac.compile.fit import check_backend, check_setting
 
         check_backend(compile)
         if is_least(budget):
@@ -114,7 +114,7 @@ def solve(
     if compile is None:
         return solve_budget(stats, budget, solver=solver, time_limit_s=time_limit_s, reserve=reserve,
                             max_choices=max_choices, presolve=presolve)
-    from autosac.compile_fit import fit_for_compile
+    from autosac.compile.fit import fit_for_compile
 
     return fit_for_compile(model_or_stats, stats, budget, example_inputs, backend=compile, loss_fn=loss_fn,
                            optimizer=optimizer, reserve=reserve, solver=solver, time_limit_s=time_limit_s,

@@ -41,7 +41,7 @@ BF16 = torch.bfloat16
 def _methods(shards, world, rank):
     import torch.distributed as dist
 
-    from autosac import ops
+    from autosac.zero3 import ops
 
     n = sum(s.numel() for s in shards)
     sizes = [s.numel() for s in shards]
@@ -69,7 +69,7 @@ def _methods(shards, world, rank):
 
 
 def _worker(rank, world, port, rounds, out_dir):
-    from autosac import native
+    from autosac.zero3 import native
 
     torch.set_num_threads(1)
     with gloo_group(rank, world, port):
@@ -120,7 +120,7 @@ def main() -> None:
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
-    from autosac import native
+    from autosac.zero3 import native
 
     assert native.available(), "the native op did not build"
     print(f"{N:,} float32 parameters in {K} tensors, sharded over gloo ranks; median of {args.rounds}, slowest rank\n")

@@ -37,8 +37,8 @@ import warnings
 import torch
 
 import autosac
+from autosac.core.optim import make_optimizer
 from autosac.models import build_model
-from autosac.optim import make_optimizer
 from autosac.solver import least_peak, plan_from_decisions
 from autosac.solver.problem import build_problem
 

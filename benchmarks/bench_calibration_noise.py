@@ -1,5 +1,5 @@
 """Calibration on a busy machine (issue 32, part 2): this machine's host
-figures (autosac.host.calibrate) and CPU op timings measured idle, beside two
+figures (autosac.tools.calibrate.calibrate) and CPU op timings measured idle, beside two
 busy-loop processes, and while a test-suite subset runs -- each in a fresh
 process with an empty cache, the loads interleaved in rounds.
 
@@ -37,8 +37,9 @@ import torch
 torch.set_num_threads(1)
 from dataclasses import replace
 import autosac
-from autosac import host, noise
-from autosac.devices import DEVICES
+from autosac.tools import calibrate as host
+from autosac.core import noise
+from autosac.core.devices import DEVICES
 from autosac.models import build_model
 from autosac.trace import costs, timings
 

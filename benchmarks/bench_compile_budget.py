@@ -43,8 +43,8 @@ import time
 import torch
 
 import autosac
-from autosac.budget import format_bytes
-from autosac.errors import InfeasibleBudgetError
+from autosac.core.budget import format_bytes
+from autosac.core.errors import InfeasibleBudgetError
 from autosac.models import build_model
 
 CFG = dict(n_layer=4, dim=256, n_head=4, seq=256, vocab=4096, dropout=0.0)

@@ -15,7 +15,7 @@ Each row gives the measured peak (profiler allocator events, the held-output
 loop autosac plans for, no optimizer) and whether it is within the budget,
 the step time and its ratio to the unmodified step, and for autosac's plans
 the predicted overhead (recompute and checkpointing machinery, the host costs
-calibrated on this machine: autosac.host) beside the measured one.  Under each
+calibrated on this machine: autosac.tools.calibrate) beside the measured one.  Under each
 budget: autosac against torch ckpt, and against the fastest variant within
 that budget.
 
@@ -35,8 +35,8 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import autosac
+from autosac.core.optim import default_loss
 from autosac.models import build_model
-from autosac.optim import default_loss
 
 CONFIGS = {
     "gpt2": ("gpt2", dict(n_layer=6, dim=64, n_head=4, seq=64, vocab=128, batch=2)),

@@ -27,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autosac
-import autosac.pystate as pystate
+import autosac.core.pystate as pystate
 from autosac.applier import region
 from autosac.applier.region import RegionPolicy
 from autosac.solver import plan_from_decisions

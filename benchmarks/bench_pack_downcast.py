@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from autosac import native, ops
+from autosac.zero3 import native, ops
 
 N = 64 * 2**20
 K = 100

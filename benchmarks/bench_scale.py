@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 import autosac
-from autosac.budget import format_bytes
+from autosac.core.budget import format_bytes
 from autosac.models import build_model
 from autosac.solver import least_peak
 from autosac.solver.problem import build_problem

@@ -38,10 +38,10 @@ import torch
 from torch import nn
 
 import autosac
-from autosac.batch_search import rebatched
-from autosac.budget import format_bytes
+from autosac.core.budget import format_bytes
+from autosac.core.optim import default_loss, make_optimizer
 from autosac.models import build_model
-from autosac.optim import default_loss, make_optimizer
+from autosac.tools.search import rebatched
 
 ROUNDS = 5
 STEPS = 3  # timed steps per candidate and round (after one untimed one)

@@ -32,8 +32,8 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import autosac
-from autosac.devices import DEVICES
-from autosac.host import HostCosts
+from autosac.core.devices import DEVICES
+from autosac.core.host import HostCosts
 from autosac.solver import plan_from_decisions
 
 OPS = 60  # elementwise ops per region

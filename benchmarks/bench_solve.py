@@ -86,7 +86,7 @@ def _build_autosac(model: str, layers: int):
 def child_autosac_parts(model: str, layers: int) -> dict:
     """profile, then solve_stats at each budget, then solve(stats, budget) at the main one."""
     import autosac
-    from autosac.budget import parse_budget
+    from autosac.core.budget import parse_budget
     from autosac.solver import solve_stats
 
     world = 8 if model == "llama-7b" else 1

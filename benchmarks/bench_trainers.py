@@ -27,8 +27,8 @@ import warnings
 import torch
 
 import autosac
-from autosac.allocations import AllocationCounter
-from autosac.measure import _storage_bytes
+from autosac.core.allocations import AllocationCounter
+from autosac.tools.measure import _storage_bytes
 
 STEPS, WARM = 8, 2  # steps per run, of which the first WARM are not timed
 LLAMA = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,

@@ -75,7 +75,7 @@ def main() -> None:
     args = ap.parse_args()
     import autosac
     from autosac import zero3
-    from autosac.devices import DEVICES
+    from autosac.core.devices import DEVICES
     from autosac.models import build_model
 
     cfg = _cfg(args)

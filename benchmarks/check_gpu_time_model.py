@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's autosac, not an installed one
 import autosac  # noqa: E402
-from autosac.budget import parse_budget
+from autosac.core.budget import parse_budget
 from autosac.models import build_model
 from autosac.solver import least_peak, solve_stats
 from autosac.solver.problem import build_problem

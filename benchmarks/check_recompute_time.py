@@ -18,7 +18,7 @@ from collections import defaultdict
 import torch
 
 import autosac
-from autosac.optim import default_loss
+from autosac.core.optim import default_loss
 from autosac.solver import plan_from_decisions
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])

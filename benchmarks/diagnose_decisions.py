@@ -23,7 +23,7 @@ from dataclasses import replace
 import torch
 
 import autosac
-from autosac.devices import DEVICES
+from autosac.core.devices import DEVICES
 from autosac.models import build_model
 from autosac.solver import least_peak, plan_from_decisions
 from autosac.solver.problem import build_problem

@@ -23,7 +23,7 @@ import torch
 import torch.multiprocessing as mp
 
 import autosac
-from autosac.devices import DEVICES
+from autosac.core.devices import DEVICES
 from autosac.models import build_model
 from autosac.solver import least_peak
 from autosac.solver.problem import build_problem

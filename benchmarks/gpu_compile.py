@@ -28,8 +28,8 @@ import time
 import torch
 
 import autosac
-from autosac.budget import format_bytes
-from autosac.errors import InfeasibleBudgetError
+from autosac.core.budget import format_bytes
+from autosac.core.errors import InfeasibleBudgetError
 from autosac.models import build_model
 
 BF16 = torch.bfloat16

@@ -9,7 +9,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import gpu_compile as G
 
 import autosac
-from autosac.budget import format_bytes
+from autosac.core.budget import format_bytes
 from autosac.models import build_model
 
 

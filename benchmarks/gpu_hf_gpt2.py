@@ -35,12 +35,12 @@ import warnings
 import torch
 
 import autosac
-import autosac.pystate as pystate
+import autosac.core.pystate as pystate
 from autosac.applier import region
 from autosac.applier.region import RegionPolicy
-from autosac.host import calibrate
 from autosac.solver import least_peak, solve_stats
 from autosac.solver.problem import build_problem
+from autosac.tools.calibrate import calibrate
 
 BF16 = torch.bfloat16
 MIB = 2**20

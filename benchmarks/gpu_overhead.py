@@ -32,8 +32,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import autosac
 from autosac.applier import region
+from autosac.core.optim import default_loss
 from autosac.models import build_model
-from autosac.optim import default_loss
 from autosac.solver import least_peak, solve_stats
 from autosac.solver.problem import build_problem
 

@@ -12,9 +12,9 @@ import collections
 import torch
 
 import autosac
-from autosac.budget import format_bytes
+from autosac.core.budget import format_bytes
+from autosac.core.optim import default_loss
 from autosac.models import build_model
-from autosac.optim import default_loss
 from autosac.solver import least_peak, solve_stats
 from autosac.solver.problem import build_problem
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from autosac.budget import format_bytes
+from autosac.core.budget import format_bytes
 
 SHAPES = [(4, 16, 4096, 128, 4), (4, 16, 4096, 128, 16), (8, 12, 1024, 64, 12), (1, 32, 8192, 128, 8),
           (2, 16, 2048, 128, 16)]

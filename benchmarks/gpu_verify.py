@@ -25,9 +25,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import autosac
-from autosac.budget import format_bytes, parse_budget
+from autosac.core.budget import format_bytes, parse_budget
+from autosac.core.optim import default_loss
 from autosac.models import build_model
-from autosac.optim import default_loss
 from autosac.solver import least_peak, solve_stats
 from autosac.solver.problem import build_problem
 from autosac.trace.dispatch import cuda_sdpa_backend

@@ -1,7 +1,7 @@
 """The model suite's table: for every model the tests plan (transformers, timm,
 diffusers, ordinary modules), at 70 %, 50 % and the least feasible budget:
 predicted and measured peak, the budget, and whether one training step stayed
-bitwise equal -- in both training loops (autosac.loop): ``held`` (``out =
+bitwise equal -- in both training loops (autosac.core.loop): ``held`` (``out =
 model(x)`` kept through backward, the default) and ``dropped`` (the output
 dies at the loss).
 

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from autosac import native, ops
+from autosac.zero3 import native, ops
 
 N, K = 64 * 2**20, 100
 BF16 = torch.bfloat16

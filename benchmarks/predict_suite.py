@@ -17,7 +17,7 @@ is larger.
 
 Like with like: a transformers decoder whose config says ``use_cache=True``
 fills a key/value cache in its training forward; ``autosac.apply`` turns the
-cache off (``autosac.integrations``), and the trace prices the step without it
+cache off (``autosac.core.integrations``), and the trace prices the step without it
 (``plan.baseline_step_ms``).  For such a model the measured overhead is taken
 against the unmodified model run as the plan's baseline is priced -- with the
 same ``use_cache=False`` hook the applied model gets -- and the overhead
@@ -53,8 +53,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 import autosac  # noqa: E402
-from autosac.host import calibrate  # noqa: E402
-from autosac.optim import make_optimizer  # noqa: E402
+from autosac.core.optim import make_optimizer  # noqa: E402
+from autosac.tools.calibrate import calibrate  # noqa: E402
 
 TARGET_REL, TARGET_POINTS = 0.20, 0.03
 QUICK = ("autosac-gpt2", "hf-llama", "hf-gpt2", "timm-vit")
@@ -274,7 +274,7 @@ def without_cache(model, inputs):
     transformers model in it gets the forward pre-hook ``autosac.apply``
     gives it (``use_cache=False`` in a training forward where it would fill a
     cache); None where no cache would be filled (nothing differs)."""
-    from autosac.integrations import cache_requested, no_cache_hook, training_kwargs, transformers_models
+    from autosac.core.integrations import cache_requested, no_cache_hook, training_kwargs, transformers_models
 
     def fills_cache(fqn: str, m) -> bool:  # the root gets the inputs; one inside a wrapper, what its parent passes
         kwargs = inputs if isinstance(inputs, dict) and not fqn else {}

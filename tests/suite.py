@@ -13,18 +13,18 @@ from functools import partial
 import torch
 
 import autosac
-from autosac.budget import parse_budget
-from autosac.devices import DEVICES
-from autosac.host import HostCosts
-from autosac.inputs import split_inputs
-from autosac.optim import default_loss
+from autosac.core.budget import parse_budget
+from autosac.core.devices import DEVICES
+from autosac.core.host import HostCosts
+from autosac.core.inputs import split_inputs
+from autosac.core.optim import default_loss
 from autosac.solver import least_peak, solve_stats
 from autosac.solver.problem import build_problem
 from autosac.trace.routing import RouterCall, forced
 
 TOLERANCE = 0.03
 # An A100's roofline with the CPU's kernels: deterministic times (no host costs:
-# those are measured on the machine, autosac.host), and a plan that names the
+# those are measured on the machine, autosac.tools.calibrate), and a plan that names the
 # ops these CPU tests run (a plan for "a100" names CUDA's).
 A100_CPU_KERNELS = replace(DEVICES["a100"], name="a100-cpu-kernels", device_type="cpu", host=HostCosts())
 
@@ -81,7 +81,7 @@ def check_model(
     ``build`` returns ``(model, inputs)`` with fixed weights (the same each call).
     The applied model must warn about nothing, or exactly once with a message
     containing ``expect_warning``.  ``output_held``: the loop planned and
-    measured (:mod:`autosac.loop`).  ``routing`` (mixture-of-experts models):
+    measured (:mod:`autosac.core.loop`).  ``routing`` (mixture-of-experts models):
     planned for, and the measured step forced to route so
     (:func:`autosac.trace.routing.forced`); the bitwise step routes as the data does.
     """

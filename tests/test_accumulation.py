@@ -9,8 +9,8 @@ import torch
 from suite import A100_CPU_KERNELS
 
 import autosac
-from autosac.measure import measure
 from autosac.models import build_model
+from autosac.tools.measure import measure
 
 
 @pytest.fixture(scope="module")

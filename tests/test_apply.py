@@ -20,7 +20,7 @@ from autosac.solver.problem import build_problem
 
 def _loss_and_grads(model, inputs, seed=1234):
     torch.manual_seed(seed)
-    loss = autosac.optim.default_loss(model(*inputs) if isinstance(inputs, tuple) else model(inputs))
+    loss = autosac.core.optim.default_loss(model(*inputs) if isinstance(inputs, tuple) else model(inputs))
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
@@ -99,7 +99,7 @@ def test_replay_keeps_the_numbers_its_own_graph_saves():
     least plan measured 8 bytes over its budget."""
     from dataclasses import replace
 
-    from autosac.host import HostCosts
+    from autosac.core.host import HostCosts
 
     torch.manual_seed(0)
     model, idx = build_model("gpt2", device="cpu", n_layer=6, dim=64, n_head=4, seq=64, vocab=128, batch=2)
@@ -385,7 +385,7 @@ def test_parameter_casts_are_never_saved():
     after = autosac.measure(model, x, steps=0, optimizer="none", output_held=False).peak_bytes
     # the default (h100) target counts cuBLAS's workspace, which this CPU has not
     workspace = stats.peak_breakdown.get("workspace", 0)
-    assert workspace == autosac.devices.library_workspace_bytes(autosac.DEVICES["h100"])
+    assert workspace == autosac.core.devices.library_workspace_bytes(autosac.DEVICES["h100"])
     assert abs(before - (stats.peak_bytes - workspace)) <= 0.02 * before
     # autocast's cache holds the casts until the forward ends; after it the hook holds none
     assert before - after >= 2 * w * w * 2

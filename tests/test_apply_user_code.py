@@ -230,7 +230,7 @@ def test_a_checkpointed_call_captures_the_users_state_not_autosacs():
     for the replay): autosac's own policy and forward on the module are not
     state a forward changes, and walking them doubled the capture's host time
     (a GPU step is often bound by it)."""
-    from autosac.pystate import capture
+    from autosac.core.pystate import capture
 
     model, x = _net()
     autosac.apply(model, _plan(model, x))

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from autosac.budget import parse_budget
+from autosac.core.budget import parse_budget
 
 PEAK = 10 * 2**30
 

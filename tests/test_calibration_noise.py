@@ -15,8 +15,10 @@ import torch
 from torch import nn
 
 import autosac
-from autosac import host, noise
-from autosac.host import HostCosts, Measured
+from autosac.core import noise
+from autosac.core.host import HostCosts
+from autosac.tools import calibrate as host
+from autosac.tools.calibrate import Measured
 from autosac.trace import costs, timings
 from autosac.trace.timings import TimingCache, cache_path, is_outlier
 

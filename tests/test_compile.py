@@ -151,7 +151,7 @@ def test_with_dropout_the_compiled_plan_draws_the_same_numbers():
         assert torch.equal(p.grad, q.grad), name
 
 
-# -- plans fitted to the compiled step (autosac.compile_fit) ---------------------------------------
+# -- plans fitted to the compiled step (autosac.compile.fit) ---------------------------------------
 
 FIT_CFG = dict(n_layer=2, dim=128, n_head=4, seq=256, vocab=4096, dropout=0.1)
 
@@ -197,7 +197,7 @@ def test_the_compiled_peak_matches_the_allocator(backend, planned):
     if planned:
         autosac.apply(model, autosac.solve(autosac.profile(model, idx, optimizer="sgd", target=A100_CPU_KERNELS),
                                            "least"))
-    traced = autosac.trace.compiled_peak(model, idx, optimizer="sgd", backend=backend).peak_bytes
+    traced = autosac.compile.compiled_peak(model, idx, optimizer="sgd", backend=backend).peak_bytes
     torch._dynamo.reset()
     measured = autosac.measure(torch.compile(model, backend=backend), idx, optimizer="sgd", steps=1).peak_bytes
     assert abs(traced - measured) <= 0.005 * measured, (traced, measured)
@@ -235,7 +235,7 @@ def test_a_kernel_stubbed_for_the_inductor_trace_refuses_to_run_outside_it():
     from torch._inductor.async_compile import AsyncCompile
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from autosac.trace.inductor import StubKernelCalledError, inductor_on_fake_tensors
+    from autosac.compile.inductor import StubKernelCalledError, inductor_on_fake_tensors
 
     with FakeTensorMode():
         out = torch.empty(4)
@@ -258,7 +258,7 @@ def test_a_kernel_stubbed_for_the_inductor_trace_refuses_to_run_outside_it():
 def test_the_inductor_trace_takes_views_as_inductor_does():
     """Its view helper stands in for inductor's: an offset counted from the
     buffer's own offset, the same elements."""
-    from autosac.trace.inductor import inductor_on_fake_tensors
+    from autosac.compile.inductor import inductor_on_fake_tensors
 
     guards = torch._C._dynamo.guards
     original = guards._reinterpret_tensor
@@ -279,7 +279,7 @@ def test_tracing_a_compiled_step_leaves_no_dynamo_cache_entries_behind():
     torch.manual_seed(0)
     model, idx = build_model("gpt2", device="cpu", batch=2, **CFG)
     torch._dynamo.reset()
-    autosac.trace.compiled_peak(model, idx, optimizer="sgd")
+    autosac.compile.compiled_peak(model, idx, optimizer="sgd")
     assert _debug_get_cache_entry_list(type(model).forward.__code__) == []
     for p in model.parameters():  # the model's own tensors are untouched and real
         assert type(p) is torch.nn.Parameter and not p.is_meta
@@ -296,20 +296,20 @@ def test_plans_for_compile_refuse_what_they_cannot_trace():
     with pytest.raises(ValueError, match=r"one process \(world_size=1\)"):
         autosac.solve(model, "60%", idx, target="h100", world_size=2, compile="inductor")
     with pytest.raises(ValueError, match="not torch.compile"):
-        autosac.trace.compiled_peak(torch.compile(model), idx)
+        autosac.compile.compiled_peak(torch.compile(model), idx)
     with pytest.raises(ValueError, match="backends"):
-        autosac.trace.compiled_peak(model, idx, backend="eager")
+        autosac.compile.compiled_peak(model, idx, backend="eager")
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
         on_gpu = torch.zeros(idx.shape, dtype=idx.dtype, device="cuda")
     with pytest.raises(ValueError, match=r"traced for cpu or meta models, not \['cpu', 'cuda'\]: pass the target"):
-        autosac.trace.compiled_peak(model, on_gpu, backend="inductor")
+        autosac.compile.compiled_peak(model, on_gpu, backend="inductor")
     assert autosac.applier.applied_plan(model) is None
 
 
 def test_fitting_refuses_a_model_with_a_plan_and_leaves_that_plan_in_place():
-    from autosac.compile_fit import fit_for_compile
+    from autosac.compile.fit import fit_for_compile
 
     torch.manual_seed(0)
     model, idx = build_model("gpt2", device="cpu", batch=2, **CFG)
@@ -336,7 +336,7 @@ def test_below_every_plan_the_error_names_the_least_compiled_peak_seen():
     problem = build_problem(stats, 16, keep_random=True)  # the least-peak plan the fitting tries, as it solves it
     least_plan = solve_stats(stats, least_peak(problem)[0], problem=problem, max_choices=16)
     autosac.apply(model, least_plan)
-    compiled = autosac.trace.compiled_peak(model, idx, optimizer="sgd").peak_bytes
+    compiled = autosac.compile.compiled_peak(model, idx, optimizer="sgd").peak_bytes
     autosac.unapply(model)
     assert err.value.min_feasible_bytes <= compiled + stats.checkpoint_state_bytes * len(least_plan.decisions)
     assert err.value.min_feasible_bytes > lowest // 2
@@ -344,15 +344,15 @@ def test_below_every_plan_the_error_names_the_least_compiled_peak_seen():
 
 
 def test_a_compile_failure_is_one_line_naming_torch_compile(monkeypatch):
-    from autosac.trace import compiled as compiled_trace
+    from autosac.compile import trace as compiled_trace
 
     def failing_backend(gm, example_inputs):
         raise RuntimeError("this backend cannot compile anything\nsecond line")
 
     monkeypatch.setitem(compiled_trace.TRACED_AS, "aot_eager", failing_backend)
     model, idx = build_model("gpt2", device="cpu", batch=2, **CFG)
-    with pytest.raises(autosac.errors.TraceError) as err:
-        autosac.trace.compiled_peak(model, idx)
+    with pytest.raises(autosac.core.errors.TraceError) as err:
+        autosac.compile.compiled_peak(model, idx)
     text = str(err.value)
     assert text.startswith("torch.compile of GPT failed while tracing the step") and "\n" not in text
     assert "this backend cannot compile anything" in text
@@ -364,7 +364,7 @@ def test_a_cuda_target_counts_cublas_workspaces():
     step, so every peak is that much higher; none on the CPU."""
     from dataclasses import replace
 
-    from autosac.devices import DEVICES
+    from autosac.core.devices import DEVICES
 
     model, idx = build_model("gpt2", device="meta", batch=2, **CFG)
     peaks = {}
@@ -382,7 +382,7 @@ def test_the_compiled_peak_under_autocast_matches_the_allocator():
     the inductor trace against the CPU allocator."""
     torch.manual_seed(0)
     model, idx = build_model("gpt2", device="cpu", batch=4, **{**FIT_CFG, "dropout": 0.0})
-    traced = autosac.trace.compiled_peak(model, idx, optimizer="sgd", backend="inductor",
+    traced = autosac.compile.compiled_peak(model, idx, optimizer="sgd", backend="inductor",
                                          autocast=torch.bfloat16).peak_bytes
     torch._dynamo.reset()
     measured = autosac.measure(torch.compile(model), idx, optimizer="sgd", steps=1, autocast=torch.bfloat16).peak_bytes
@@ -406,7 +406,7 @@ def test_a_compiled_plan_for_a_cuda_target_is_fitted_without_a_gpu():
     assert plan.compiled["backend"] == "inductor" and plan.decisions
     assert plan.predicted_peak_bytes <= plan.budget_bytes
     autosac.apply(model, plan)
-    again = autosac.trace.compiled_peak(model, idx, optimizer="sgd", backend="inductor", target="h100",
+    again = autosac.compile.compiled_peak(model, idx, optimizer="sgd", backend="inductor", target="h100",
                                         autocast=torch.bfloat16)
     rng_states = len(plan.decisions) * (torch.get_rng_state().numel() + 16)  # what each region's checkpoint keeps
     assert again.peak_bytes + rng_states == plan.predicted_peak_bytes and again.breakdown["workspace"] == 64 << 20
@@ -417,7 +417,7 @@ def test_compiled_plans_price_fused_recompute_at_nothing():
     the kernel that reads it: free to recompute; a matmul is re-run at its cost.
     So at a budget that pointwise results can meet, the compiled plan discards
     no matmul output, as PyTorch's partitioner would not."""
-    from autosac.compile_fit import fused_recompute_costs
+    from autosac.compile.fit import fused_recompute_costs
 
     model, idx = build_model("gpt2", device="meta", batch=4, **{**FIT_CFG, "dropout": 0.0})
     stats = autosac.profile(model, idx, optimizer="sgd", target=A100_CPU_KERNELS)
@@ -437,7 +437,7 @@ def test_compiled_plans_price_fused_recompute_at_nothing():
 def test_only_inductor_plans_price_fused_recompute_at_nothing(monkeypatch):
     """aot_eager runs every op as it is: no fusion, so no recompute is free
     (review: the fused prices were applied to every backend)."""
-    import autosac.compile_fit as fit
+    import autosac.compile.fit as fit
 
     priced = []
     real = fit.fused_recompute_costs

@@ -16,9 +16,9 @@ CFG = dict(batch=2, seq=128, n_layer=2, dim=128, n_head=4, vocab=512)
 
 def test_the_cublas_workspace_is_what_the_prediction_counts():
     """First in this file: no real matmul has run in the process yet.  After a first step the process keeps cuBLAS's workspaces (the forward's
-    thread's and autograd's): what :func:`autosac.devices.library_workspace_bytes`
+    thread's and autograd's): what :func:`autosac.core.devices.library_workspace_bytes`
     counts in every CUDA prediction, to within 2 MiB."""
-    from autosac.devices import DEVICES, library_workspace_bytes
+    from autosac.core.devices import DEVICES, library_workspace_bytes
 
     model, idx = build_model("gpt2", device="cuda", **CFG)
     before = torch.cuda.memory_allocated()

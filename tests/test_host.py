@@ -11,9 +11,10 @@ from suite import A100_CPU_KERNELS
 from torch import nn
 
 import autosac
-from autosac.devices import DeviceSpec
-from autosac.host import HostCosts, calibrate
+from autosac.core.devices import DeviceSpec
+from autosac.core.host import HostCosts
 from autosac.models import build_model
+from autosac.tools.calibrate import calibrate
 
 ZERO = HostCosts()
 
@@ -66,7 +67,7 @@ def test_ops_timed_on_this_cpu_add_only_the_host_time_their_timing_does_not_see(
     CPU target adds ``untimed_op_us`` per op, not the whole ``op_us``."""
     torch.manual_seed(0)
     model, idx = build_model("gpt2", device="cpu", n_layer=1, dim=32, n_head=2, seq=16, vocab=64, batch=2)
-    cpu = autosac.devices.DEVICES["cpu"]
+    cpu = autosac.core.devices.DEVICES["cpu"]
     zero = autosac.profile(model, idx, target=replace(cpu, host=ZERO), optimizer="none").timeline
     costs = HostCosts(op_us=500.0, untimed_op_us=20.0, backward_op_us=300.0, backward_untimed_us=-2.0)
     host = autosac.profile(model, idx, target=replace(cpu, host=costs), optimizer="none").timeline

@@ -1,4 +1,4 @@
-"""Host time that grows with the ops' data on a CPU target (autosac.hostsize):
+"""Host time that grows with the ops' data on a CPU target (autosac.core.hostsize):
 exact accounting of what large ops, an optimizer's in-place foreach ops and a
 selective region's op calls are priced, and the calibration's fit.  How well
 it predicts is measured in benchmarks/predict_suite.py, not here."""
@@ -11,10 +11,11 @@ import torch
 from suite import A100_CPU_KERNELS
 
 import autosac
-from autosac.host import HostCosts, _Block
-from autosac.hostsize import MIB, anchor_bytes, extra_us, fit_extras
+from autosac.core.host import HostCosts
+from autosac.core.hostsize import MIB, anchor_bytes, extra_us, fit_extras
 from autosac.models import build_model
 from autosac.solver.problem import build_problem
+from autosac.tools.calibrate import _Block
 from autosac.trace.costs import CostModel
 
 SMALL, LARGE = 32 << 10, 1 << 20
@@ -39,7 +40,7 @@ def test_a_large_op_pays_per_mib_it_makes_by_its_share_between_the_calibrated_si
 
 def test_a_large_op_making_fresh_memory_pays_and_an_in_place_foreach_op_or_a_view_does_not():
     """AdamW's foreach ops write memory the step keeps: priced as timed."""
-    cm = CostModel(replace(autosac.devices.DEVICES["cpu"], host=HostCosts()))
+    cm = CostModel(replace(autosac.core.devices.DEVICES["cpu"], host=HostCosts()))
     tensors = [torch.full((256, 256), 0.5) for _ in range(4)]  # 1 MiB in all
     ops = {"foreach": (torch.ops.aten._foreach_mul_.Scalar, (tensors, 0.9), None),
            "mul": (torch.ops.aten.mul.Tensor, (tensors[0], tensors[1]), tensors[0] * tensors[1]),

@@ -14,10 +14,10 @@ from suite import A100_CPU_KERNELS
 from torch import nn
 
 import autosac
-from autosac import host
-from autosac.host import HostCosts
-from autosac.plan import Plan
-from autosac.stats import ModelStats
+from autosac.core.host import HostCosts
+from autosac.core.plan import Plan
+from autosac.core.stats import ModelStats
+from autosac.tools import calibrate as host
 from autosac.trace.timings import cache_path
 
 SIGNED_CACHE_KEYS = {f"{host.CACHE_KEY}:{f}" for f in host._SIGNED}  # host figures that may be negative
@@ -288,7 +288,7 @@ def test_host_costs_refuse_infinity():
 
 def test_the_timing_cache_folder_is_private_under_a_group_writable_umask(tmp_path, monkeypatch, fresh_roofline):
     """Made 0700 whatever the umask (002 on many systems): a group-writable
-    cache folder would turn the native op's build cache off (autosac.native)."""
+    cache folder would turn the native op's build cache off (autosac.zero3.native)."""
     old = os.umask(0o002)
     try:
         _, path = _profile_cpu(tmp_path, monkeypatch, "umask-002")

@@ -374,7 +374,7 @@ def test_a_huge_pick_is_not_laid_out_for_real():
 
 
 def test_verify_reports_a_busier_routing_than_planned_and_the_assumption_that_covers_it():
-    from autosac.verify import routing_report
+    from autosac.tools.verify import routing_report
 
     plan = autosac.Plan.__new__(autosac.Plan)
     plan.routing = {"assumption": {"kind": "balanced", "capacity_factor": 1.0},

@@ -16,7 +16,7 @@ import torch
 from suite import gloo_group, run_ranks
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autosac import native, ops
+from autosac.zero3 import native, ops
 
 DTYPES = [torch.bfloat16, torch.float16]
 
@@ -226,7 +226,7 @@ _STUB = textwrap.dedent("""
             shutil.copy(os.environ["REAL_LIB"], lib)
 
     cpp_extension._write_ninja_file_and_build_library = ninja
-    from autosac import native
+    from autosac.zero3 import native
 """)
 
 

@@ -10,9 +10,9 @@ import pytest
 
 import autosac
 from autosac.cli import main
-from autosac.host import HostCosts
+from autosac.core.host import HostCosts
+from autosac.core.plan import Plan
 from autosac.models import build_model
-from autosac.plan import Plan
 
 
 @pytest.fixture(scope="module")
@@ -141,9 +141,9 @@ def test_sweep_measured_keeps_each_budget_and_plots(tmp_path):
     was predicted; checkpointing every block is the repeated layers; the plot
     is written."""
     pytest.importorskip("matplotlib")
-    from autosac.plot import pareto_plot
-    from autosac.report import sweep_table
-    from autosac.sweep import measure_sweep, repeated_blocks, sweep
+    from autosac.tools.plot import pareto_plot
+    from autosac.tools.report import sweep_table
+    from autosac.tools.sweep import measure_sweep, repeated_blocks, sweep
 
     model, idx = build_model("seed-transformer", n_layer=3, dim=384, n_head=6, seq=96, device="cpu")
     stats = autosac.profile(model, idx, target="cpu", optimizer="sgd")
@@ -412,7 +412,7 @@ def test_hf_models_are_built_from_their_config_on_meta_and_planned(name, capsys)
     """hf:NAME builds the transformers class from its config (no download) on
     meta, with token ids from the config's vocabulary; the plan names its layers."""
     pytest.importorskip("transformers")
-    from autosac.modelspec import build_from_spec
+    from autosac.models.spec import build_from_spec
 
     args = HF_SMALL[name]
     model, ids = build_from_spec(f"hf:{name}", args, batch=2, seq=128)
@@ -445,7 +445,7 @@ def test_the_plan_table_lists_modules_in_model_order_and_names_where_ops_ran():
 
 
 def test_sweep_budgets_mean_what_solve_budgets_mean_sharded_and_with_a_reserve():
-    from autosac.sweep import sweep
+    from autosac.tools.sweep import sweep
 
     model, idx = build_model("gpt2", device="meta", batch=8, n_layer=4, dim=128, n_head=4, seq=256, vocab=512)
     stats = autosac.profile(model, idx, world_size=4)
@@ -460,7 +460,7 @@ def test_sweep_budgets_mean_what_solve_budgets_mean_sharded_and_with_a_reserve()
 
 def test_hf_config_dtype_is_the_weights_dtype():
     pytest.importorskip("transformers")
-    from autosac.modelspec import build_from_spec
+    from autosac.models.spec import build_from_spec
 
     args = HF_SMALL["llama"]
     model, _ = build_from_spec("hf:llama", [*args, "dtype=bfloat16"], batch=2, seq=64)
@@ -473,7 +473,7 @@ def test_the_blocks_of_a_mixture_of_experts_are_its_layers_not_one_layers_expert
     import torch
     from torch import nn
 
-    from autosac.sweep import repeated_blocks
+    from autosac.tools.sweep import repeated_blocks
 
     class Expert(nn.Module):
         def __init__(self):

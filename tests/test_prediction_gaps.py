@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import autosac
-from autosac.loop import output_tensors
+from autosac.core.loop import output_tensors
 from autosac.trace.costs import transient_bytes
 
 
@@ -51,7 +51,7 @@ def test_decoder_lm_held_loop_exact():
 
 def test_softmax_copies_a_non_contiguous_input():
     """The kernels work on contiguous copies: one per non-contiguous operand."""
-    from autosac.allocations import allocation_peak
+    from autosac.core.allocations import allocation_peak
 
     x = torch.randn(2, 3, 16, 16).to(memory_format=torch.channels_last)
     y = torch.ops.aten._log_softmax(x, 1, False)
@@ -113,7 +113,7 @@ def test_size_one_strides_as_aten_lays_them_out(case):
     """Fake results of views and pointwise ops with a size-1 dim get the real kernel's strides."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from autosac.devices import resolve_target
+    from autosac.core.devices import resolve_target
     from autosac.trace.costs import CostModel
     from autosac.trace.recorder import StepRecorder
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from autosac import schedule
-from autosac.allocations import allocation_peak
+from autosac.core.allocations import allocation_peak
 
 MiB = 2**20
 PATHS = 10

@@ -7,12 +7,12 @@ import re
 import pytest
 
 import autosac
-from autosac.batch_search import rebatched
 from autosac.cli import batch_sizes, main
-from autosac.errors import UserError
-from autosac.host import HostCosts
+from autosac.core.errors import UserError
+from autosac.core.host import HostCosts
+from autosac.core.plan import Plan
 from autosac.models import build_model
-from autosac.plan import Plan
+from autosac.tools.search import rebatched
 
 # An H100 roofline with CPU kernels behind a slow host: every op costs the host 0.5 ms, far more
 # than a tiny model's kernels, so the step takes about the same time at any batch size and samples/s
@@ -104,7 +104,7 @@ def test_profiles_are_reused_by_a_later_search_of_the_same_setting(tiny, monkeyp
     model, make = tiny
     first = autosac.search(model, make, "1GiB", (2, 4), target=SLOW_HOST)
     calls = []
-    monkeypatch.setattr("autosac.batch_search.profile", lambda *a, **k: calls.append(k) or None)
+    monkeypatch.setattr("autosac.tools.search.profile", lambda *a, **k: calls.append(k) or None)
     again = autosac.search(model, make, "5MB", (2, 4), target=SLOW_HOST, reuse=first)
     assert not calls and [r.stats for r in again.rows] == [r.stats for r in first.rows]
     with pytest.raises(TypeError):  # another optimizer: profiled anew (here: the stand-in that returns None)
@@ -155,7 +155,7 @@ def test_batch_option_forms():
     (["--memory", "1GiB", "--compile", "inductor"], "--memory searches the eager step"),
 ])
 def test_plan_search_mistakes_are_one_line_before_any_work(argv, match, capsys, monkeypatch):
-    monkeypatch.setattr("autosac.batch_search.profile", lambda *a, **k: pytest.fail("profiled"))
+    monkeypatch.setattr("autosac.tools.search.profile", lambda *a, **k: pytest.fail("profiled"))
     assert main(["plan", "--model", "gpt-tiny", "--quiet", *argv]) == 2
     out, err = capsys.readouterr()
     assert len(err.strip().splitlines()) == 1 and match in err and "Traceback" not in err, err

@@ -371,7 +371,7 @@ def test_without_cbc_the_default_solver_reaches_the_same_optimum_with_highs(shar
 
 
 def test_an_explicit_cbc_without_cbc_is_one_line_naming_the_fix(shared_mask, monkeypatch):
-    from autosac.errors import MissingExtraError
+    from autosac.core.errors import MissingExtraError
 
     stats, budget, _ = shared_mask
     _without_cbc(monkeypatch, pulp4=True)
@@ -401,13 +401,13 @@ def test_on_a_gpu_a_regions_machinery_hides_under_its_rerun():
     H100's measured overheads matched the re-run alone); on the CPU, their sum."""
     from dataclasses import replace
 
-    from autosac.host import HostCosts
+    from autosac.core.host import HostCosts
     from autosac.models import build_model
     from autosac.solver.problem import build_problem
 
     model, idx = build_model("gpt2", device="meta", batch=2, n_layer=2, dim=128, n_head=4, seq=128, vocab=256)
     host = HostCosts(op_us=8.0, checkpoint_call_us=300.0, saved_tensor_us=20.0, selective_op_us=15.0)
-    stats = autosac.profile(model, idx, target=replace(autosac.devices.DEVICES["h100"], host=host))
+    stats = autosac.profile(model, idx, target=replace(autosac.core.devices.DEVICES["h100"], host=host))
     gpu = build_problem(stats)
     cpu = build_problem(replace(stats, target={**stats.target, "device_type": "cpu"}))
     hidden = 0

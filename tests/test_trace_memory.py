@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import autosac
-from autosac.devices import library_workspace_bytes, resolve_target
+from autosac.core.devices import library_workspace_bytes, resolve_target
 
 F32 = 4
 # a CUDA target's live bytes include cuBLAS's workspaces, alive through the whole step
@@ -239,7 +239,7 @@ def test_stats_json_round_trip_and_version_check():
     s = autosac.profile(model, x)
     again = autosac.ModelStats.from_json(s.to_json())
     assert again == s
-    bad = s.to_json().replace(f'"format":{autosac.stats.STATS_FORMAT}', '"format":99')
+    bad = s.to_json().replace(f'"format":{autosac.core.stats.STATS_FORMAT}', '"format":99')
     with pytest.raises(autosac.StatsFormatError, match="format 99"):
         autosac.ModelStats.from_json(bad)
     with pytest.raises(autosac.StatsFormatError):

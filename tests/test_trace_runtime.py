@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import autosac
-from autosac.devices import DEVICES, DeviceSpec
+from autosac.core.devices import DEVICES, DeviceSpec
 
 
 def test_matmul_roofline_matches_formula():
@@ -67,7 +67,7 @@ def test_op_without_flop_formula_is_said_once_per_process_and_counts_memory_boun
             # slicing's backward and a reduction have no FLOP formula but are known memory-bound
             return torch.fft.rfft(h).abs() + torch.fft.rfft(h[:, :64]).abs() * (h > 0).all()
 
-    monkeypatch.setattr(autosac.trace, "_SAID_UNKNOWN", set())  # as in a fresh process
+    monkeypatch.setattr(autosac.trace.profiler, "_SAID_UNKNOWN", set())  # as in a fresh process
     said = []
     for _ in range(2):
         with warnings.catch_warnings(record=True) as caught:
@@ -120,7 +120,7 @@ def test_an_alias_that_is_no_view_op_runs_no_kernel():
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from autosac.host import HostCosts
+    from autosac.core.host import HostCosts
     from autosac.trace.costs import CostModel
 
     cost = CostModel(replace(DEVICES["h100"], host=HostCosts()))  # kernels alone: no host time

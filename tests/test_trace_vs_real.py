@@ -6,8 +6,8 @@ import torch
 from suite import A100_CPU_KERNELS
 
 import autosac
-from autosac.measure import measure
 from autosac.models import build_model
+from autosac.tools.measure import measure
 
 MIB = 1 << 20
 
@@ -124,7 +124,7 @@ def test_measuring_the_peak_only_gives_the_same_peak_and_no_time():
     way), ``step_ms`` nan; a bad ``steps`` is one clear error."""
     import math
 
-    from autosac.sweep import measure_sweep, sweep
+    from autosac.tools.sweep import measure_sweep, sweep
 
     torch.manual_seed(0)
     model, idx = build_model("gpt2", device="cpu", batch=2, n_layer=2, dim=64, n_head=4, seq=64, vocab=128)

@@ -5,7 +5,7 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autosac.curves import compress_curve, curve_ms, exact_curve
+from autosac.core.curves import compress_curve, curve_ms, exact_curve
 
 items_st = st.lists(st.tuples(st.integers(1, 10_000), st.floats(0, 10, allow_nan=False)), min_size=1, max_size=9)
 

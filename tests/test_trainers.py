@@ -12,8 +12,8 @@ import warnings
 import pytest
 import torch
 
-from autosac.allocations import AllocationCounter
-from autosac.measure import _storage_bytes
+from autosac.core.allocations import AllocationCounter
+from autosac.tools.measure import _storage_bytes
 
 transformers = pytest.importorskip("transformers")
 
@@ -286,7 +286,7 @@ def test_a_missing_trainer_is_one_line_naming_the_extra(monkeypatch, module, hid
     import importlib
     import sys
 
-    from autosac.errors import MissingExtraError
+    from autosac.core.errors import MissingExtraError
 
     monkeypatch.delitem(sys.modules, module, raising=False)
     for name in hides:
@@ -368,7 +368,7 @@ def test_titan_debug_model_plan_fits_the_memory_of_titans_own_checkpointing(mode
     from torchtitan.distributed.activation_checkpoint import apply_ac
 
     import autosac
-    from autosac.measure import measure
+    from autosac.tools.measure import measure
     from autosac.trainers.titan import titan_loss
 
     model = titan_debug(layers=4)

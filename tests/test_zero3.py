@@ -12,7 +12,7 @@ from torch import nn
 
 import autosac
 from autosac import zero3
-from autosac.errors import PlanMismatchError
+from autosac.core.errors import PlanMismatchError
 from autosac.models import build_model
 
 BF16 = torch.bfloat16
@@ -130,7 +130,7 @@ def test_fsdp2_step_is_bitwise_the_same_and_gathers_half_the_bytes(tmp_path, wor
     under autocast with and without the install (before or after
     ``fully_shard``) give the same losses, gradients and updated parameters
     bit for bit."""
-    from autosac import native
+    from autosac.zero3 import native
 
     native.available()  # build once here, not in every rank
     run_ranks(_step_worker, world, None, str(tmp_path))

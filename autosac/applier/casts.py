@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from autosac.opkinds import is_param_cast
+from autosac.core.opkinds import is_param_cast
 
 _CAST_NODES = {"ToCopyBackward0"}
 # views that only reorder a parameter's dims, and how to make them again
@@ -26,7 +26,7 @@ _REORDER_VIEWS = {
 
 def _param_behind(t: torch.Tensor) -> torch.nn.Parameter | None:
     """The parameter ``t`` (or the base it views) is a cast of, where
-    :func:`autosac.opkinds.is_param_cast` says the cast is the parameter's:
+    :func:`autosac.core.opkinds.is_param_cast` says the cast is the parameter's:
     autograd's path from the cast runs through views that only reorder dims
     to the parameter, and the cast kept that view's layout."""
     base = t._base if t._is_view() else t

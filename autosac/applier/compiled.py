@@ -7,7 +7,7 @@ calls are not the eager ones the plan lists: ``dropout(p=0)`` becomes a
 ``clone``, decompositions differ.  So the policy matches each compiled call
 to the plan's calls by what it is and what it reads (:class:`CallMatcher`:
 op name and the plan calls whose results it reads, through
-:mod:`autosac.dataflow`), not by position.  A matched call the decision saves
+:mod:`autosac.core.dataflow`), not by position.  A matched call the decision saves
 is ``MUST_SAVE``, every other op ``MUST_RECOMPUTE`` -- parameter casts and
 calls the eager step never made included -- except ops that draw random
 numbers (dropout), always ``MUST_SAVE``: a recompute would draw others.  A
@@ -31,8 +31,8 @@ from collections import deque
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from autosac.dataflow import DataflowTracker
-from autosac.opkinds import op_kind
+from autosac.core.dataflow import DataflowTracker
+from autosac.core.opkinds import op_kind
 
 
 def save_keys(calls: list[tuple[str, tuple[int, ...]]], save: frozenset[int]) -> tuple[tuple[str, int], ...]:

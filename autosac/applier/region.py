@@ -7,10 +7,10 @@ the forward and one in the replay -- not PyTorch's two selective-checkpoint
 modes with ours beneath them: a Python dispatch mode costs every op call it
 sees, and this path costs less per op than PyTorch's
 (``benchmarks/bench_selective_op_cost.py``).  Op calls are matched to the
-plan's :attr:`~autosac.plan.Decision.calls` by position:
+plan's :attr:`~autosac.core.plan.Decision.calls` by position:
 
 * **Forward.**  Every op call is run and checked: which earlier calls it reads
-  (:mod:`autosac.dataflow`), and, when it writes a tensor made outside the
+  (:mod:`autosac.core.dataflow`), and, when it writes a tensor made outside the
   region (batch norm's running stats, a counter buffer, a parameter), a copy
   of that tensor as it was.  The plan's ``save`` calls have their outputs
   cached (new aliases, no autograd history); all other calls are recomputed.
@@ -32,7 +32,7 @@ plan's :attr:`~autosac.plan.Decision.calls` by position:
   shape; views, writes and random ops always run.  Outside tensors the region
   writes are read and written, in the replay, in a copy of them as they were
   when the region started, and the Python state the forward started from is
-  swapped in for the replay (:mod:`autosac.pystate`): recomputation never
+  swapped in for the replay (:mod:`autosac.core.pystate`): recomputation never
   updates anything twice.  A replay in a backward that frees the graph hands
   each cached output over and drops it (as early as PyTorch's own SAC frees
   it); one that retains the graph (``retain_graph=True``, ``create_graph=True``)
@@ -52,10 +52,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from autosac.applier.compiled import compiled_context_fn
-from autosac.dataflow import DataflowTracker, arg_storages, tensors_in
-from autosac.opkinds import op_kind
-from autosac.plan import Decision
-from autosac.pystate import State, capture
+from autosac.core.dataflow import DataflowTracker, arg_storages, tensors_in
+from autosac.core.opkinds import op_kind
+from autosac.core.plan import Decision
+from autosac.core.pystate import State, capture
 
 
 @dataclass

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from autosac.errors import MissingExtraError, UserError
+from autosac.core.errors import MissingExtraError, UserError
 
 # name -> (config class, model class) in transformers
 HF_MODELS = {

@@ -33,7 +33,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from autosac.opkinds import op_kind
+from autosac.core.opkinds import op_kind
 
 __all__ = ["GraphMemory", "graph_memory", "replay_peak", "peak_bytes"]
 

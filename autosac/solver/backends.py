@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autosac.errors import MissingExtraError
+from autosac.core.errors import MissingExtraError
 from autosac.solver.milp import MatrixMILP
 
 GAP = 1e-4

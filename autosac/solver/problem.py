@@ -21,10 +21,10 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from autosac.host import HostCosts
+from autosac.core.host import HostCosts
+from autosac.core.stats import ModelStats
 from autosac.solver.replay import ModuleReplay, order_items, saved_inside
 from autosac.solver.sharding import sharded_live
-from autosac.stats import ModelStats
 
 
 @dataclass
@@ -146,7 +146,7 @@ def _choice_indices(cum_bytes: np.ndarray, cum_ms: np.ndarray, max_choices: int)
             keep.append(j)
     keep.append(n)
     if len(keep) - 1 > max_choices:
-        from autosac.curves import compress_curve
+        from autosac.core.curves import compress_curve
 
         pts = [[float(xs[j]), float(ys[j])] for j in keep]
         kept = {tuple(p) for p in compress_curve(pts, max_choices + 1)}
@@ -308,7 +308,7 @@ def _recompute_extra(stats: ModelStats, m, items: list[list[int]], picks: list[i
 def _mechanism(stats: ModelStats, m, window, n_items: int, picks: list[int], host: HostCosts,
                kept_anyway: bool) -> tuple[list[float], float | None]:
     """Per choice, what checkpointing one call of ``fqn`` costs the host
-    (:mod:`autosac.host`), and the recompute time of the choice that discards
+    (:mod:`autosac.tools.calibrate`), and the recompute time of the choice that discards
     everything when it runs plainly (None when it cannot).
 
     A choice that discards every saved op of the module, in a module that
@@ -321,7 +321,7 @@ def _mechanism(stats: ModelStats, m, window, n_items: int, picks: list[int], hos
     can_be_plain = not m.writes_outside and not kept_anyway
     ops = window[1] - window[0]
     saved = m.saved_tensors[0] if m.saved_tensors else 0  # the first call's; the calls run alike
-    # where the kernels run on this CPU, large ops cost a selective call's per-op work more (autosac.hostsize)
+    # where the kernels run on this CPU, large ops cost a selective call's per-op work more (autosac.core.hostsize)
     made = stats.timeline.made_bytes[window[0] : window[1]] if stats.target.get("device_type") == "cpu" else ()
     mechanism = [host.checkpoint_ms(saved, ops, selective=not (can_be_plain and k == n_items), op_bytes=made)
                  for k in picks]

@@ -21,8 +21,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from autosac.opkinds import SAC_IGNORED_NAMES
-from autosac.stats import ModelStats, SavedOp
+from autosac.core.opkinds import SAC_IGNORED_NAMES
+from autosac.core.stats import ModelStats, SavedOp
 
 
 def saved_inside(savers: list[str], fqn: str) -> bool:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autosac.stats import ModelStats
+from autosac.core.stats import ModelStats
 
 CONTAINERS = ("ModuleList", "Sequential", "ModuleDict")
 BOOKKEEPING_BYTES = 64

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autosac.curves import exact_curve
-from autosac.stats import ModelStats, ModuleStats, SavedOp, Timeline
+from autosac.core.curves import exact_curve
+from autosac.core.stats import ModelStats, ModuleStats, SavedOp, Timeline
 from autosac.trace.recorder import StorageRecord, common_prefix
 from autosac.trace.step import TracedStep, stack_of
 

@@ -16,11 +16,11 @@ import torch
 from torch.utils import flop_counter
 from torch.utils._pytree import tree_leaves, tree_map
 
-from autosac.devices import DeviceSpec
-from autosac.host import host_costs
-from autosac.hostsize import made_bytes
-from autosac.noise import best_ms
-from autosac.opkinds import is_view_op
+from autosac.core.devices import DeviceSpec
+from autosac.core.host import host_costs
+from autosac.core.hostsize import made_bytes
+from autosac.core.noise import best_ms
+from autosac.core.opkinds import is_view_op
 from autosac.trace.timings import TimingCache
 
 aten = torch.ops.aten
@@ -256,10 +256,10 @@ class CostModel:
         return self.with_host(ms, backward, made_bytes(func, args, kwargs, out)), flops
 
     def with_host(self, kernel_ms: float, backward: bool = False, nbytes: int = 0) -> float:
-        """An op call's time with the host's (:meth:`autosac.host.HostCosts.op_ms`):
+        """An op call's time with the host's (:meth:`autosac.core.host.HostCosts.op_ms`):
         on a GPU the two overlap (the longer counts: a short kernel waits for
         the next op to be issued); on the CPU they add up, and an op making
-        ``nbytes`` of large data costs the host more (:mod:`autosac.hostsize`)."""
+        ``nbytes`` of large data costs the host more (:mod:`autosac.core.hostsize`)."""
         return self.host.op_ms(kernel_ms, self.spec.device_type, timed=self.spec.measured, backward=backward,
                                nbytes=nbytes)
 
@@ -339,7 +339,7 @@ def _real_like(t: torch.Tensor) -> torch.Tensor:
 
 
 def _time_real(func, args, kwargs) -> tuple[float, bool]:
-    """(least ms, noisy) of the op on random tensors of its shapes (:func:`autosac.noise.best_ms`)."""
+    """(least ms, noisy) of the op on random tensors of its shapes (:func:`autosac.core.noise.best_ms`)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():
@@ -360,7 +360,7 @@ def local_cpu_spec() -> DeviceSpec:
     if flops and bandwidth:  # the cache holds only finite numbers >= 0 (autosac.trace.timings); 0 is none
         return DeviceSpec("cpu-roofline", {"float32": flops}, bandwidth, compute_efficiency=1.0, memory_efficiency=1.0,
                           device_type="cpu")
-    with unset_fake_temporarily():  # the least of settled calls; noisy ones are kept an hour (autosac.noise)
+    with unset_fake_temporarily():  # the least of settled calls; noisy ones are kept an hour (autosac.core.noise)
         a = torch.randn(512, 512)
         mm_ms, mm_noisy = best_ms(lambda: torch.mm(a, a), repeats=5)
         x = torch.empty(8 << 20, dtype=torch.uint8)

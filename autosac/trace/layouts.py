@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
-from autosac.opkinds import writes_input
+from autosac.core.opkinds import writes_input
 
 _RESHAPES = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default})
 

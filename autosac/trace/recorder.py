@@ -25,10 +25,10 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 
-from autosac.allocations import allocation_peak
-from autosac.dataflow import DataflowTracker, tensors_in
-from autosac.errors import ProfilerBusyError
-from autosac.opkinds import is_param_cast, is_random_op, is_view_op, writes_input, written_tensors
+from autosac.core.allocations import allocation_peak
+from autosac.core.dataflow import DataflowTracker, tensors_in
+from autosac.core.errors import ProfilerBusyError
+from autosac.core.opkinds import is_param_cast, is_random_op, is_view_op, writes_input, written_tensors
 from autosac.trace.costs import CostModel, transient_bytes
 from autosac.trace.fake_kernels import run_fake
 from autosac.trace.layouts import restrides, with_kernel_strides

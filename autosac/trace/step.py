@@ -19,14 +19,14 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from autosac.devices import library_workspace_bytes
-from autosac.errors import NothingToCheckpointError, TraceError
-from autosac.inputs import split_inputs
-from autosac.integrations import caches_off
-from autosac.loop import output_tensors
-from autosac.optim import OptimizerSpec, default_loss, make_optimizer
-from autosac.pystate import capture
-from autosac.stats import ParamStats
+from autosac.core.devices import library_workspace_bytes
+from autosac.core.errors import NothingToCheckpointError, TraceError
+from autosac.core.inputs import split_inputs
+from autosac.core.integrations import caches_off
+from autosac.core.loop import output_tensors
+from autosac.core.optim import OptimizerSpec, default_loss, make_optimizer
+from autosac.core.pystate import capture
+from autosac.core.stats import ParamStats
 from autosac.trace.autocast import target_autocast
 from autosac.trace.costs import CostModel
 from autosac.trace.dispatch import TargetDispatch
@@ -104,7 +104,7 @@ def trace_step(
     (by default ops on small real cpu tensors run for real, so code that reads
     their values branches as in the real step); a compiled step whose fused
     kernels are skipped computes no values to read.  ``output_held``: the
-    loop :mod:`autosac.loop` describes keeps the model's output alive to the
+    loop :mod:`autosac.core.loop` describes keeps the model's output alive to the
     step's end and the previous step's until the forward returns (else the
     output dies when the loss exists).  ``grads_alive``: ``"step"``, every
     gradient is alive from the step's start, as gradient accumulation leaves
@@ -377,7 +377,7 @@ def _forward_and_loss(model, args, kwargs, loss_fn, recorder: StepRecorder):
 
 def _hold_previous_output(recorder: StepRecorder, out, forward_end: int) -> None:
     """The previous step's output, alive in the loop's variable from the step's
-    start until this step's forward returns (:mod:`autosac.loop`): one record,
+    start until this step's forward returns (:mod:`autosac.core.loop`): one record,
     kind ``"output"``, per storage the forward made for its output."""
     seen: set[int] = set()
     for t in output_tensors(out):

@@ -11,16 +11,16 @@ Timings depend on the thread count, which is part of the machine key.
 An entry that is not a finite number >= 0 (a hand edit, a disk error) is
 dropped when the file is read, with one warning naming the file: its op is
 timed again and the file rewritten.  So is a file that is not a JSON object of
-numbers.  (The host figures :mod:`autosac.host` keeps here may be negative
-where :data:`autosac.host.SIGNED_CACHE_KEYS` says so.)
+numbers.  (The host figures :mod:`autosac.tools.calibrate` keeps here may be negative
+where :data:`autosac.core.host.SIGNED_CACHE_KEYS` says so.)
 
-On a busy machine (:mod:`autosac.noise`): an op timed while its samples did
-not settle is kept :data:`autosac.noise.NOISY_LIFETIME_S` seconds (marked
+On a busy machine (:mod:`autosac.core.noise`): an op timed while its samples did
+not settle is kept :data:`autosac.core.noise.NOISY_LIFETIME_S` seconds (marked
 ``<key>#noisy_until``), then timed again; a cached timing far above what the CPU roofline predicts for
 its FLOPs and bytes (:func:`is_outlier`: another process ran while it was
 timed) is timed again once, and the lesser kept.  ``AUTOSAC_REMEASURE=1``
 makes a process time every op it meets again; :meth:`TimingCache.forget`
-(``autosac.host.remeasure()``) drops them all.
+(``autosac.tools.calibrate.remeasure()``) drops them all.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from pathlib import Path
 
 import torch
 
-from autosac.cache import cache_root
-from autosac.noise import NOISY_LIFETIME_S, remeasure_requested
+from autosac.core.cache import cache_root
+from autosac.core.noise import NOISY_LIFETIME_S, remeasure_requested
 
 # a cached op timing above OUTLIER_FACTOR x (its roofline time + OUTLIER_FLOOR_MS)
 # is timed again: clean timings on a 2-core CPU were at most 24x their
@@ -168,7 +168,7 @@ def _read(path: Path | None) -> tuple[dict[str, float], str]:
 
 
 def _valid(key: str, value) -> bool:
-    from autosac.host import SIGNED_CACHE_KEYS
+    from autosac.core.host import SIGNED_CACHE_KEYS
 
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return False

@@ -18,9 +18,9 @@ from torch import nn
 
 from autosac.api import solve
 from autosac.applier import apply
-from autosac.integrations import own_checkpointing, transformers_models
-from autosac.plan import Plan
-from autosac.rng import generators_kept
+from autosac.core.integrations import own_checkpointing, transformers_models
+from autosac.core.plan import Plan
+from autosac.core.rng import generators_kept
 
 log = logging.getLogger("autosac")
 
@@ -78,7 +78,7 @@ def default_target(model: nn.Module) -> str:
 
     Raises:
         ValueError: a GPU autosac's table does not name: pass ``target=``."""
-    from autosac.devices import DEVICES
+    from autosac.core.devices import DEVICES
 
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if device.type == "cpu":

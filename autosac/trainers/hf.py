@@ -40,7 +40,7 @@ import warnings
 import torch
 
 from autosac.applier import applied_plan
-from autosac.errors import MissingExtraError
+from autosac.core.errors import MissingExtraError
 from autosac.trainers.common import (
     PlanRequest,
     first_batch,

@@ -41,7 +41,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from autosac.errors import MissingExtraError
+from autosac.core.errors import MissingExtraError
 from autosac.trainers.common import PlanRequest, first_batch, optimizer_like, plan_and_apply, refuse_processes
 
 try:

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from autosac.errors import MissingExtraError
-from autosac.plan import Plan
+from autosac.core.errors import MissingExtraError
+from autosac.core.plan import Plan
 
 try:
     from torchtitan.protocols.model_converter import register_model_converter
@@ -84,7 +84,7 @@ def plan_for_job(model: nn.Module, job_config, world_size: int = 1) -> Plan:
         Plan: the plan (not applied).
 
     Raises:
-        InfeasibleBudgetError: no plan reaches ``autosac.budget``.
+        InfeasibleBudgetError: no plan reaches ``autosac.core.budget``.
         ValueError: a malformed budget or target.
     """
     from autosac.api import solve

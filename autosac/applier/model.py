@@ -1,0 +1,324 @@
+"""Stage 3 of the pipeline: make a Plan real on the model.
+
+Each decided module's forward runs under ``torch.utils.checkpoint`` (non-reentrant)
+with a selective-checkpoint policy that recomputes exactly the planned op calls;
+RNG state is preserved, so recomputed dropout draws the same mask, and
+recomputation never updates buffers or Python state twice
+(:mod:`autosac.applier.region`).  The checkpoint runs what the module ran
+before: a ``forward`` set on the instance (accelerate's ``add_hook_to_module``)
+is wrapped, not bypassed, and :func:`unapply` puts that same object back.
+Around the whole model, a saved-tensor hook keeps parameter casts from being
+saved, and a run with other input shapes than the plan's is warned about.
+
+Everything apply puts on a model pickles (``torch.save(model)``) and deep-copies:
+the checkpointed forward is a ``functools.partial`` of a module-level function,
+and the model's hooks are :class:`_Hook` objects that pickle by name.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils.checkpoint import checkpoint
+
+from autosac.applier.casts import pack_cast, unpack_cast
+from autosac.applier.region import RegionPolicy, warn_user
+from autosac.core.errors import PlanMismatchError, StatsFormatError
+from autosac.core.fingerprint import model_fingerprint
+from autosac.core.inputs import format_signature, input_signature
+from autosac.core.integrations import cache_requested, no_cache_hook, own_checkpointing, transformers_models
+from autosac.core.marks import APPLIED, CACHE_WARNED, POLICY
+from autosac.core.plan import Plan
+
+__all__ = ["apply", "unapply"]
+
+_CAST_CTX = "_autosac_cast_ctx"  # the model's open parameter-cast hook contexts, one per running forward
+
+
+
+def apply(model: nn.Module, plan: Plan) -> nn.Module:
+    """Checkpoint ``model`` in place as ``plan`` says; return it.
+
+    Parameters stay the same objects, ``state_dict`` keys do not change, and an
+    optimizer built before still works.  Applying again replaces the previous
+    plan (never double-wraps); :func:`unapply` restores the model.  FSDP2's
+    ``fully_shard`` may be applied afterwards.
+
+    Args:
+        model: the model the plan was made for (same module tree and parameter shapes).
+        plan: from :func:`autosac.solve` or :meth:`Plan.load`.
+
+    Returns:
+        The same ``model``.
+
+    Raises:
+        PlanMismatchError: the plan was made for another model, or names a module
+            the model does not have.  Nothing is changed.
+        StatsFormatError: the plan is internally inconsistent (hand-edited).
+        ValueError: the model checkpoints by itself (transformers' gradient checkpointing).
+
+    Example::
+
+        >>> plan = autosac.solve(model, "60%", example_inputs=idx)
+        >>> autosac.apply(model, plan)
+        >>> model(idx).sum().backward()     # same gradients, lower peak
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"apply needs an nn.Module, got {type(model).__name__}")
+    if not isinstance(plan, Plan):
+        raise TypeError(f"apply needs an autosac.Plan, got {type(plan).__name__}")
+    plan.validate()
+    reason = own_checkpointing(model)
+    if reason is not None:
+        raise ValueError(reason)
+    # Check everything before changing anything: nothing is applied halfway.
+    modules = {}
+    for fqn in plan.decisions:
+        try:
+            modules[fqn] = model.get_submodule(fqn)
+        except AttributeError:
+            raise PlanMismatchError(
+                f"the plan checkpoints module {fqn!r}, which {type(model).__name__} does not have"
+            ) from None
+    found = model_fingerprint(model)
+    if found != plan.fingerprint:
+        raise PlanMismatchError(
+            f"the plan was made for {plan.model} ({plan.fingerprint}) but this {type(model).__name__} is "
+            f"({found}): module tree or parameter shapes differ -- re-plan for this model"
+        )
+    try:
+        policies = {fqn: RegionPolicy.from_decision(plan.details[fqn]) for fqn in modules}
+    except (TypeError, ValueError, IndexError) as e:
+        raise StatsFormatError(f"malformed plan: {e}") from None
+    unapply(model)
+    for fqn, mod in modules.items():
+        _wrap_forward(mod, policies[fqn])
+    model.register_forward_pre_hook(_HOOKS["enter"], with_kwargs=True)
+    model.register_forward_hook(_HOOKS["exit"], always_call=True)
+    for _, inner in transformers_models(model):  # wherever they sit: the root or inside a wrapper
+        inner.register_forward_pre_hook(_HOOKS["no_cache"], with_kwargs=True, prepend=True)
+    setattr(model, APPLIED, {"plan": plan, "warned_shapes": set()})
+    model.__dict__[_CAST_CTX] = []  # made here, not at the first forward: a trace sees no new state
+    return model
+
+
+def unapply(model: nn.Module) -> nn.Module:
+    """Undo :func:`apply` (a no-op on a model without a plan); return the model.
+
+    Args:
+        model: a model :func:`apply` changed, or any other model.
+
+    Returns:
+        The same ``model``, with its modules' own forwards and no autosac hooks:
+        a ``forward`` the instance had before :func:`apply` is put back (the same
+        object), one set after it is left in place.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+
+    Example::
+
+        >>> autosac.unapply(model)   # plain forward again
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"unapply needs an nn.Module, got {type(model).__name__}")
+    state = model.__dict__.pop(APPLIED, None)
+    if state is None:
+        return model
+    model.__dict__.pop(_CAST_CTX, None)
+    # found by identity rather than through handles, which a deepcopy would share
+    for mod in model.modules():
+        for table in (mod._forward_pre_hooks, mod._forward_hooks):
+            for key in [k for k, fn in table.items() if isinstance(fn, _Hook)]:
+                del table[key]
+                mod._forward_hooks_always_called.pop(key, None)
+                mod._forward_pre_hooks_with_kwargs.pop(key, None)
+                mod._forward_hooks_with_kwargs.pop(key, None)
+        mod.__dict__.pop(CACHE_WARNED, None)
+    for mod in model.modules():
+        policy = mod.__dict__.pop(POLICY, None)
+        if policy is not None:
+            _unwrap_forward(mod)
+    return model
+
+
+def applied_plan(model: nn.Module) -> Plan | None:
+    """The plan :func:`apply` put on ``model``, if any.
+
+    Example::
+
+        >>> autosac.applier.applied_plan(model) is None
+        True
+    """
+    state = model.__dict__.get(APPLIED)
+    return None if state is None else state["plan"]
+
+
+class CheckpointedForward(functools.partial):
+    """The forward :func:`apply` sets on a module: a partial of a module-level
+    function (it pickles and deep-copies), of a type of autosac's own, so that
+    :func:`autosac.core.pystate.capture` does not walk it at every call."""
+
+
+def _wrap_forward(mod: nn.Module, policy: RegionPolicy) -> None:
+    """Checkpoint ``mod`` with ``policy``, around what it ran: the ``forward``
+    set on the instance, if any (accelerate's hooks), else its class's."""
+    mod.forward = CheckpointedForward(_checkpointed_forward, mod, _own_forward(mod), policy)
+    setattr(mod, POLICY, policy)
+
+
+def _own_forward(mod: nn.Module):
+    """The instance's forward apart from ours (None: its class's)."""
+    fwd = mod.__dict__.get("forward")
+    return fwd.args[1] if _is_ours(fwd, mod) else fwd
+
+
+def _is_ours(fwd, mod: nn.Module) -> bool:
+    return isinstance(fwd, functools.partial) and fwd.func is _checkpointed_forward and fwd.args[0] is mod
+
+
+def _unwrap_forward(mod: nn.Module) -> None:
+    """Put back the forward ``mod`` had before :func:`apply`.  A forward set
+    after it stays: it calls ours, which runs the one from before from now on."""
+    fwd = mod.__dict__.get("forward")
+    if not _is_ours(fwd, mod):
+        return
+    if fwd.args[1] is None:
+        del mod.__dict__["forward"]
+    else:
+        mod.__dict__["forward"] = fwd.args[1]
+
+
+def _checkpointed_forward(self, own, policy, *args, **kwargs):
+    # A partial on the module (it pickles and deep-copies with it: a copy
+    # checkpoints its own weights with its own policy).  ``own`` is the forward
+    # the instance had before apply, or None for its class's.  Under
+    # torch.compile the module is one traced region whose ops carry the
+    # decision (autosac.applier.compiled).
+    original = own if own is not None else type(self).forward.__get__(self)
+    if not torch.is_grad_enabled() or self.__dict__.get(POLICY) is not policy:
+        return original(*args, **kwargs)  # no grad, or unapplied (then applied again) since
+    if torch.compiler.is_compiling():  # one traced region; its decision as recompute tags
+        return checkpoint(functools.partial(original, **kwargs), *args, use_reentrant=False,
+                          context_fn=policy.compiled_context_fn)
+    if not _is_ours(self.__dict__.get("forward"), self) and "replaced" not in policy.warned:
+        policy.warned.add("replaced")
+        warn_user(
+            f"autosac: a checkpointed {type(self).__name__}'s forward was replaced after autosac.apply by one that "
+            "calls it: what the new one adds runs outside the checkpoint, once, and its backward's recomputation "
+            "does not rerun it -- set it before planning and applying to have it run inside the checkpoint"
+        )
+    call = policy.start(self, args, kwargs)
+    # keyword arguments are bound by the wrapper, never passed to checkpoint,
+    # so a forward's own ``context_fn=`` or ``debug=`` cannot clash with checkpoint's
+    out = checkpoint(call.wrap(original, args, kwargs), *args, use_reentrant=False, preserve_rng_state=True,
+                     context_fn=call.contexts)
+    call.finish()
+    return out
+
+
+class _Hook:
+    """One of the hooks :func:`apply` puts on a model, named: it pickles and
+    deep-copies as its name (the one instance per name in ``_HOOKS``), and runs
+    its function outside ``torch.compile``'s tracing
+    (``torch.compiler.disable``), wrapped at its first call, not at import:
+    the wrapping imports Dynamo, which takes seconds."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, *args):
+        fn = _DISABLED.get(self.name)
+        if fn is None:
+            fn = _DISABLED[self.name] = torch.compiler.disable(_HOOK_FNS[self.name])
+        return fn(*args)
+
+    def __reduce__(self):
+        return _hook, (self.name,)
+
+    def __repr__(self) -> str:
+        return f"<autosac model hook {self.name!r}>"
+
+
+def _hook(name: str) -> _Hook:
+    """The hook named ``name`` (how a pickled one loads)."""
+    return _HOOKS[name]
+
+
+def _enter_model(module, args, kwargs):
+    state = module.__dict__.get(APPLIED)
+    if state is not None and state["plan"].input_shapes:
+        _check_shapes(state, input_signature(args, kwargs))
+    if state is not None and torch.is_grad_enabled():
+        _check_device(state, module)
+    # the cast hook sees every tensor the model saves: only where the traced step saved casts
+    casts = state is None or state["plan"].param_casts
+    ctx = torch.autograd.graph.saved_tensors_hooks(pack_cast, unpack_cast) if casts else None
+    if ctx is not None:
+        ctx.__enter__()
+    module.__dict__.setdefault(_CAST_CTX, []).append(ctx)
+    return None
+
+
+def _no_cache(module, args, kwargs):
+    """On each transformers model of a planned model: no cache in training
+    (:func:`autosac.core.integrations.no_cache_hook`), said once per model."""
+    changed = no_cache_hook(module, args, kwargs)
+    if changed is not None and cache_requested(module, kwargs) and not module.__dict__.get(CACHE_WARNED):
+        module.__dict__[CACHE_WARNED] = True
+        warn_user(
+            f"autosac: use_cache=True in a training forward of {type(module).__name__} keeps every layer's keys and "
+            "values in a cache nothing reads; with a plan applied the model runs with use_cache=False, as "
+            "transformers' own gradient checkpointing does (pass use_cache=False to silence this)"
+        )
+    return changed
+
+
+def _exit_model(module, args, output):
+    stack = module.__dict__.get(_CAST_CTX)
+    if stack:
+        ctx = stack.pop()
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+
+
+_HOOK_FNS = {"enter": _enter_model, "exit": _exit_model, "no_cache": _no_cache}
+_HOOKS = {name: _Hook(name) for name in _HOOK_FNS}
+_DISABLED: dict = {}
+
+
+def _check_device(state: dict, module) -> None:
+    """One warning when the model runs on another device class than the plan
+    was made for: the ops there differ (dropout, attention), so checkpointed
+    calls fall back to recomputing everything."""
+    plan = state["plan"]
+    if not plan.device or state.get("warned_device"):
+        return
+    first = next(module.parameters(), None)
+    if first is None or first.device.type == plan.device or is_fake(first):
+        return  # (fake parameters: a trace of the step -- compile fitting's -- not a run)
+    where = first.device.type
+    state["warned_device"] = True
+    warn_user(
+        f"autosac: this plan was made for {plan.device} ({plan.target}) but the model runs on {where}: "
+        f"the ops differ there and checkpointed modules fall back to recomputing everything -- plan with "
+        f"target='{'cpu' if where == 'cpu' else 'h100'}' (or a DeviceSpec with device_type='{where}') to run here"
+    )
+
+
+def _check_shapes(state: dict, found: list) -> None:
+    plan = state["plan"]
+    key = repr(found)
+    if found == plan.input_shapes or key in state["warned_shapes"]:
+        return
+    state["warned_shapes"].add(key)
+    warn_user(
+        f"autosac: the plan for {plan.model} was made for inputs {format_signature(plan.input_shapes)}, "
+        f"but the model now runs {format_signature(found)}: its predicted peak and budget hold only for "
+        "the traced shapes -- re-plan with these inputs (autosac.solve(model, budget, example_inputs=...))"
+    )

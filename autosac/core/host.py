@@ -1,0 +1,119 @@
+"""Host costs as data: what the host -- the CPU running Python -- spends per op
+call and per checkpointed call (:class:`HostCosts`; the figures are described in
+:mod:`autosac.tools.calibrate`, which measures them on this machine).
+
+A :class:`~autosac.core.devices.DeviceSpec` with ``host=None`` is priced with
+this machine's figures: :func:`host_costs` asks the calibration registered by
+:mod:`autosac.tools.calibrate` (``import autosac`` registers it), so this data
+module imports nothing above it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+CACHE_KEY = "host-costs-v12"  # bump when the micro-benchmark changes (v12: a large size too, autosac.core.hostsize)
+_FIELDS = ("op_us", "checkpoint_call_us", "saved_tensor_us", "selective_op_us", "untimed_op_us", "backward_op_us",
+           "backward_untimed_us", "small_op_bytes", "large_op_bytes", "untimed_us_per_mib", "backward_untimed_us_per_mib",
+           "selective_us_per_mib")
+_SIGNED = ("backward_untimed_us",)
+_PER_OP = ("op_us", "selective_op_us", "untimed_op_us", "backward_op_us", "backward_untimed_us")
+NOISY_KEY = f"{CACHE_KEY}:noisy_until"  # 0: measured clean; else when the noisy figures expire (epoch seconds)
+SIGNED_CACHE_KEYS = frozenset(f"{CACHE_KEY}:{f}" for f in _SIGNED)  # cached figures that may be negative
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """Host time in microseconds (see the module's docstring).
+
+    Example::
+
+        >>> HostCosts(op_us=12.0, checkpoint_call_us=100.0, saved_tensor_us=12.0, selective_op_us=40.0)
+    """
+
+    op_us: float = 0.0
+    checkpoint_call_us: float = 0.0
+    saved_tensor_us: float = 0.0
+    selective_op_us: float = 0.0
+    untimed_op_us: float = 0.0
+    backward_op_us: float | None = None
+    backward_untimed_us: float | None = None
+    # CPU kernels: what a large op adds to the per-op figures per MiB it makes, and the two
+    # calibrations' typical op sizes in bytes (autosac.core.hostsize; 0: none measured)
+    small_op_bytes: float = 0.0
+    large_op_bytes: float = 0.0
+    untimed_us_per_mib: float = 0.0
+    backward_untimed_us_per_mib: float = 0.0
+    selective_us_per_mib: float = 0.0
+
+    def size_us(self, nbytes: float, us_per_mib: float) -> float:
+        """What an op making ``nbytes`` adds to a per-op figure (:func:`autosac.core.hostsize.extra_us`)."""
+        from autosac.core.hostsize import extra_us
+
+        return extra_us(nbytes, self.small_op_bytes, self.large_op_bytes, us_per_mib)
+
+    def op_ms(self, kernel_ms: float, device_type: str, timed: bool, backward: bool = False, nbytes: int = 0) -> float:
+        """One op call's time from its kernel's: on a GPU the longer of the
+        two (the host issues the next op while the kernel runs); on the CPU
+        their sum, where ``timed`` (the kernel time was measured by calling
+        the op) only the host time that measurement does not see (never
+        below zero).  ``backward``: an op the autograd engine calls.
+        ``nbytes``: what the op makes; on a CPU whose kernels were timed, a
+        large op costs more per MiB it makes (:mod:`autosac.core.hostsize`)."""
+        whole, untimed = self.op_us, self.untimed_op_us
+        if backward:
+            whole = whole if self.backward_op_us is None else self.backward_op_us
+            untimed = untimed if self.backward_untimed_us is None else self.backward_untimed_us
+        if device_type != "cpu":
+            return max(kernel_ms, whole / 1e3)
+        if timed and nbytes:
+            untimed += self.size_us(nbytes, self.backward_untimed_us_per_mib if backward else self.untimed_us_per_mib)
+        return max(0.0, kernel_ms + (untimed if timed else whole) / 1e3)
+
+    def checkpoint_ms(self, saved_tensors: int, ops: int, selective: bool, op_bytes=()) -> float:
+        """What checkpointing one call costs the host: per call, per tensor its
+        forward saves, and (selectively) per op call, in the forward and the replay.
+        ``op_bytes``: what each op call makes, where its kernels run on this
+        CPU: large ones cost more per MiB they make (:mod:`autosac.core.hostsize`)."""
+        us = self.checkpoint_call_us + saved_tensors * self.saved_tensor_us
+        if selective:
+            us += 2 * ops * self.selective_op_us
+            us += 2 * sum(self.size_us(b, self.selective_us_per_mib) for b in op_bytes)
+        return us / 1e3
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if value is None and name.startswith("backward_"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"HostCosts.{name} must be a number of microseconds, got {value!r}")
+            if name not in _SIGNED and value < 0:
+                raise ValueError(f"HostCosts.{name} must be a number of microseconds >= 0, got {value!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def host_costs(given: HostCosts | dict | None) -> HostCosts:
+    """``given`` as :class:`HostCosts`, or this machine's (the registered calibration) when None."""
+    if given is None:
+        if _calibrate is None:
+            raise RuntimeError("autosac: no host calibration registered: import autosac (autosac.tools.calibrate "
+                               "registers it), or state the figures with DeviceSpec(host=HostCosts(...))")
+        return _calibrate()
+    return given if isinstance(given, HostCosts) else HostCosts(**given)
+
+
+_calibrate: Callable[[], HostCosts] | None = None
+
+
+def register_calibration(calibrate: Callable[[], HostCosts]) -> None:
+    """What measures this machine's figures when a target states none: set by
+    :mod:`autosac.tools.calibrate` (which runs the trace, the solver and the
+    applier, all above this module)."""
+    global _calibrate
+    _calibrate = calibrate
+
+__all__ = ["HostCosts", "host_costs", "register_calibration"]

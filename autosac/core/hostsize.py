@@ -1,0 +1,103 @@
+"""How the host's per-op time grows with the size of the ops' data, on a CPU
+target (:mod:`autosac.tools.calibrate`).
+
+Where the kernels run on the CPU, an op whose data is large (hundreds of KiB
+and more) evicts the caches: the Python, autograd and dispatcher work of the
+ops around it runs cache-cold, and the op's own output lands in memory the
+step has not touched lately.  Timing each op alone, on the same memory over
+and over, sees neither.  Measured on this 2-core machine, at width 256
+(outputs of 0.5-2 MiB) a forward op cost 33 us beyond its own timing, 4 us
+at width 64; a selective checkpoint's per-op work 37 us, 14 at width 64.
+Priced at the small figures, compute-bound steps were predicted 25-35 %
+short and selective plans' overheads 3-7 points low
+(``benchmarks/predict_suite.py``).
+
+:func:`autosac.tools.calibrate.calibrate` therefore runs its micro-benchmark at two
+sizes: the small one gives the host figures, the large one how much more
+an op costs per MiB it makes (:func:`extra_us`; an op writing in place
+makes nothing: AdamW's foreach ops are priced as timed).  An op
+between the two sizes pays a share of that, by the logarithm of its bytes
+(:func:`share`); ops no larger than the small calibration's pay nothing
+more.  Each figure is fitted so that the large calibration model is priced
+what it measured (:func:`fit_extras`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from autosac.core.opkinds import is_view_op, writes_input
+
+# the large calibration: a step of compute-bound size (outputs of 0.5-2 MiB per op)
+LARGE_WIDTH, LARGE_BATCH, LARGE_SEQ, LARGE_REGIONS = 256, 4, 128, 2
+
+
+MIB = 1 << 20
+
+
+def extra_us(nbytes: float, small: float, large: float, us_per_mib: float) -> float:
+    """What an op making ``nbytes`` adds to a per-op host figure: ``us_per_mib``
+    per MiB it makes, times its :func:`share`."""
+    return share(nbytes, small, large) * nbytes / MIB * us_per_mib if us_per_mib else 0.0
+
+
+def share(nbytes: float, small: float, large: float) -> float:
+    """The share (0 to 1) of the large calibration's extra per-op cost an op
+    making ``nbytes`` pays: 0 up to ``small`` bytes, 1 from ``large`` on,
+    linear in log(bytes) between; 0 where no large figures were measured."""
+    if nbytes <= small or small <= 0 or large <= small:
+        return 0.0
+    if nbytes >= large:
+        return 1.0
+    return math.log(nbytes / small) / math.log(large / small)
+
+
+def made_bytes(func, args, kwargs, out) -> int:
+    """Bytes an op call makes: its outputs; none for a view or an op that
+    writes its input in place (an optimizer's foreach ops: their memory is
+    not fresh, and pricing what they write by this figure put the
+    dispatch-bound steps' AdamW 1-1.5 ms high).  The size by which its host
+    cost is priced."""
+    if is_view_op(func) or writes_input(func):
+        return 0
+    return sum(t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+
+
+def anchor_bytes(stats) -> float:
+    """A calibration model's typical op size: the geometric mean of the bytes
+    its forward's op calls make (views and in-place ops, which make none, left out)."""
+    tl = stats.timeline
+    sizes = [b for b, ph, v in zip(tl.made_bytes, tl.phases, tl.views) if ph == "forward" and not v and b > 0]
+    return math.exp(sum(math.log(b) for b in sizes) / len(sizes)) if sizes else 0.0
+
+
+def fit_extras(small: dict, large: dict, stats, small_bytes: float, large_bytes: float) -> dict[str, float]:
+    """The large-size extras, microseconds per MiB an op makes, from
+    both calibrations' figures (:func:`autosac.tools.calibrate._figures`; ``small`` as
+    estimated, ``large`` raw) and the large model's trace: each such that
+    the small figure on every op plus its :func:`extra_us` gives the large
+    model's measured total."""
+    tl = stats.timeline
+    shares = [share(b, small_bytes, large_bytes) * b / MIB for b in tl.made_bytes]  # MiB weighted
+    forward = [s for s, ph in zip(shares, tl.phases) if ph != "backward"]
+    backward = [s for s, ph in zip(shares, tl.phases) if ph == "backward"]
+    w0, w1 = stats.modules["0"].fw_windows[0]
+
+    def extra(total_us: float, small_us: float, ops: int, weight: float) -> float:
+        return round(max(0.0, (total_us - small_us * ops) / weight), 3) if weight > 0 else 0.0
+
+    return {
+        "untimed_us_per_mib": extra(large["untimed_op_us"] * len(forward), small["untimed_op_us"], len(forward),
+                                  sum(forward)),
+        "backward_untimed_us_per_mib": extra(large["backward_untimed_us"] * len(backward),
+                                           small["backward_untimed_us"], len(backward), sum(backward)),
+        # the selective figure is per checkpointed call, both passes over its ops
+        "selective_us_per_mib": extra(large["selective_us"] / 2, small["selective_op_us"], w1 - w0,
+                                       sum(shares[w0:w1])),
+    }
+
+
+__all__ = ["anchor_bytes", "extra_us", "fit_extras", "made_bytes", "share"]

@@ -1,0 +1,412 @@
+"""What the host -- the CPU running Python -- spends on a training step besides
+the kernels, and what checkpointing adds to it.
+
+On a fast GPU an eager step is often bound by the host: every op costs Python,
+autograd and dispatcher time before its kernel launches, and a short kernel
+finishes before the next op is issued.  Checkpointing adds host work of its
+own, whatever the kernels cost:
+
+* ``op_us``: one eager op call in the forward (the loss and the optimizer
+  step too), Python, autograd and the dispatcher included: the module code
+  between ops is in it.  On a GPU it overlaps the kernels (an op costs the
+  longer of its kernel and this); on a CPU target priced by a roofline it
+  adds to them.
+* ``backward_op_us``: one op call the autograd engine makes in the backward:
+  no Python runs between them, so they cost the host less (about 12 against
+  21 us here).  ``None``: ``op_us``.
+* ``untimed_op_us``: the part of a forward op's host time that timing the op
+  alone does not see (autograd, module Python): what each forward op adds to
+  its measured time on a CPU target whose ops are timed for real
+  (``target="cpu"``).
+* ``backward_untimed_us``: the same for a backward op, which may be negative:
+  timing an op by calling it from Python counts a dispatch the engine does
+  not pay.  ``None``: ``untimed_op_us``.
+* ``checkpoint_call_us``: one checkpointed call, forward and backward
+  together, beyond re-running its ops: ``torch.utils.checkpoint``'s frame,
+  RNG state, and autosac's state swap around the replay (a module recomputed
+  whole takes this path);
+* ``saved_tensor_us``: each tensor autograd saves inside a checkpointed call:
+  the checkpoint's saved-tensor hooks pack it in the forward and in the
+  recompute and unpack it in the backward.
+* ``selective_op_us``: each op call inside a selectively checkpointed call
+  (some outputs cached, some recomputed), in the forward and again in the
+  recompute: autosac's dispatch mode and its per-call checks.
+* ``untimed_us_per_mib``, ``backward_untimed_us_per_mib``,
+  ``selective_us_per_mib`` (with ``small_op_bytes`` and ``large_op_bytes``):
+  where the kernels run on this CPU, what an op making large data adds to
+  the three figures above per MiB it makes (:mod:`autosac.core.hostsize`).
+
+:func:`calibrate` measures them on this machine with a micro-benchmark
+(small transformer blocks run plain, with each forward run twice,
+checkpointed whole and checkpointed selectively through autosac's own
+applier: each figure a difference of measured times), once per machine: the
+figures are cached with the CPU op timings (:mod:`autosac.trace.timings`).
+Measured on a busy machine they are retried and, where they never settle,
+kept an hour only (:mod:`autosac.core.noise`); :func:`remeasure` or
+``AUTOSAC_REMEASURE=1`` measure them again.  A plan for another host
+states its figures: ``DeviceSpec(..., host=HostCosts(op_us=..., ...))``.
+
+This module measures the applier (stage 3) for the trace (stage 1): it imports
+the pipeline only inside :func:`calibrate`, and no stage imports it back but
+the trace, for its figures.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from autosac.core.host import (  # noqa: F401 - the data, kept importable here as before
+    _FIELDS,
+    _PER_OP,
+    _SIGNED,
+    CACHE_KEY,
+    NOISY_KEY,
+    SIGNED_CACHE_KEYS,
+    HostCosts,
+    host_costs,
+    register_calibration,
+)
+from autosac.core.noise import MIN_SHARE, NOISY_LIFETIME_S, TOLERANCE, remeasure_requested, share_meter, steady
+
+_CALIBRATED: HostCosts | None = None
+
+
+class Measured(NamedTuple):
+    """What :func:`_measure` found: the figures, why they are noisy (empty: clean), after how many rounds."""
+
+    costs: HostCosts
+    noisy: tuple[str, ...] = ()
+    rounds: int = 0
+
+
+def calibrate(force: bool = False) -> HostCosts:
+    """This machine's :class:`HostCosts`, measured once and cached (on disk
+    with the CPU op timings, in memory for the process).
+
+    The micro-benchmark, on a 2x32 batch of width 64, forward and backward:
+    6 regions of one small pre-norm transformer block (attention and MLP)
+    timed plain, with every region checkpointed whole, and with every region
+    checkpointed selectively (its first matmul cached, the rest recomputed);
+    6 regions of three such blocks and 24 regions of one Linear each (two
+    sizes of checkpointed call, which tell the per-call cost from the
+    per-saved-tensor one), checkpointed whole; each model also with each
+    region's forward run twice (what a checkpoint re-runs, without its
+    machinery); and the shallow model again at width 256 (4x128, two regions),
+    for the per-MiB figures (:mod:`autosac.core.hostsize`).  The least CPU times of
+    interleaved rounds; 15-30 s on this 2-core machine.
+
+    On a busy machine (:mod:`autosac.core.noise`): while the figures of the even
+    and the odd rounds differ by more than 10 %, or the measuring thread had
+    less than 90 % of a core, the rounds are doubled, up to 16 rounds or about
+    20 s; figures that never settled are used, with one logged warning, and
+    kept on disk for an hour only.  ``force=True``, ``AUTOSAC_REMEASURE=1``
+    or :func:`remeasure` measure them again.
+
+    Example::
+
+        >>> autosac.tools.calibrate.calibrate()
+        HostCosts(op_us=11.9, checkpoint_call_us=440.0, saved_tensor_us=38.3, selective_op_us=24.9, untimed_op_us=4.6)
+    """
+    global _CALIBRATED
+    if _CALIBRATED is not None and not force:
+        return _CALIBRATED
+    from autosac.trace.timings import TimingCache
+
+    cache = TimingCache()
+    cached = None if force or remeasure_requested() else _cached(cache)
+    if cached is not None:
+        _CALIBRATED = cached
+        return cached
+    try:
+        got = _measure()
+    except Exception as e:  # noqa: BLE001 - a plan priced by its kernels alone beats no plan
+        warnings.warn(f"autosac: could not measure this host's costs ({type(e).__name__}: {e}); plans are priced "
+                      "by their kernels alone -- state them with DeviceSpec(host=HostCosts(...))", stacklevel=3)
+        _CALIBRATED = HostCosts()
+        return _CALIBRATED
+    if isinstance(got, HostCosts):  # a stand-in measurement (tests): clean
+        got = Measured(got)
+    if got.noisy:  # logged, not warned: a busy machine is no error a warnings filter should raise
+        logging.getLogger("autosac").warning(
+            "autosac: this machine was busy while measuring its host costs (%s, after %d rounds): plans use them, and "
+            "they are measured again after %g h, or at once with AUTOSAC_REMEASURE=1 or autosac.tools.calibrate.remeasure()",
+            "; ".join(got.noisy), got.rounds, NOISY_LIFETIME_S / 3600)
+    for name, value in got.costs.to_dict().items():
+        cache.put(f"{CACHE_KEY}:{name}", value)
+    cache.put(NOISY_KEY, time.time() + NOISY_LIFETIME_S if got.noisy else 0.0)
+    cache.save()
+    _CALIBRATED = got.costs
+    return got.costs
+
+
+def _cached(cache) -> HostCosts | None:
+    """The host figures in ``cache``, or None: missing, refused by
+    :class:`HostCosts`, or measured under noise and expired."""
+    found = {f: cache.get(f"{CACHE_KEY}:{f}") for f in _FIELDS}
+    if any(v is None for v in found.values()):
+        return None
+    noisy_until = cache.get(NOISY_KEY)
+    if noisy_until is None:
+        return None
+    if noisy_until and not 0 <= noisy_until - time.time() <= NOISY_LIFETIME_S:  # expired (or a clock gone back)
+        return None
+    try:
+        return HostCosts(**found)
+    except ValueError:  # a figure HostCosts refuses: measured again
+        return None
+
+
+def noisy_until() -> float | None:
+    """When this machine's cached host figures expire (epoch seconds) where
+    they were measured on a busy machine; None where they are clean or none
+    are cached."""
+    from autosac.trace.timings import TimingCache
+
+    until = TimingCache().get(NOISY_KEY)
+    return until or None
+
+
+def remeasure(ops: bool = True) -> HostCosts:
+    """Measure this machine's host figures again now (and rewrite the cache);
+    with ``ops``, also forget its cached CPU op timings and roofline, which
+    the next profile with ``target="cpu"`` measures again.  For figures taken
+    while the machine was busy.  ``AUTOSAC_REMEASURE=1`` does the same for
+    one process, lazily.
+
+    Example::
+
+        >>> autosac.tools.calibrate.remeasure()
+        HostCosts(op_us=11.9, ...)
+    """
+    if ops:
+        from autosac.trace import costs
+        from autosac.trace.timings import TimingCache
+
+        TimingCache().forget()
+        costs.local_cpu_spec.cache_clear()
+    return calibrate(force=True)
+
+
+class _Block(nn.Module):
+    """A small pre-norm transformer block (attention and MLP), the kind of
+    module plans checkpoint most; ``blocks`` of them form one region."""
+
+    def __init__(self, width: int, blocks: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Layer(width) for _ in range(blocks))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class _Twice(nn.Module):
+    """Runs its region's forward twice, the first result dropped: what a
+    checkpointed call re-runs, without the checkpoint's machinery."""
+
+    def __init__(self, region: nn.Module) -> None:
+        super().__init__()
+        self.region = region
+
+    def forward(self, x):
+        self.region(x)
+        return self.region(x)
+
+
+class _Layer(nn.Module):
+    def __init__(self, width: int, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.out(torch.nn.functional.gelu(self.fc(self.ln_2(x))))
+
+
+def _tiny(width: int) -> nn.Module:
+    """A region of one small Linear and a GELU: a checkpointed call that is
+    nearly all per-call cost (it saves three tensors)."""
+    return nn.Sequential(nn.Linear(width, width), nn.GELU())
+
+
+def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, rounds: int = 4,
+             max_rounds: int = 16, deadline_s: float = 20.0) -> Measured:
+    """This machine's figures (see :func:`calibrate`), measured until two
+    halves of the rounds agree (:func:`autosac.core.noise.steady`), bounded."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        x = torch.randn(batch, seq, width)
+        models = {
+            "shallow": _calibration_models(lambda: _Block(width, 1), regions, x, selective=True),
+            "deep": _calibration_models(lambda: _Block(width, 3), regions, x),
+            "tiny": _calibration_models(lambda: _tiny(width), 4 * regions, x),
+        }
+        models["large"], x_large = _large_models()
+    # rounds interleaved across the models: drift hits them alike
+    variants = {(size, k): m for size, setup in models.items() for k, m in setup["variants"].items()}
+    inputs = {key: x_large if key[0] == "large" else x for key in variants}
+    _take_round(variants, inputs, repeats=1)  # warm-up
+    got = steady(lambda: _take_round(variants, inputs), lambda taken: _estimate(models, taken), _scale, rounds=rounds,
+                 max_rounds=max_rounds, deadline_s=deadline_s)
+    reasons = []
+    if got.disagreeing:
+        reasons.append(f"{', '.join(got.disagreeing)} varied by more than {TOLERANCE:.0%} between rounds")
+    if got.share < MIN_SHARE:
+        reasons.append(f"the measuring thread had {got.share:.0%} of a core")
+    return Measured(HostCosts(**got.figures), tuple(reasons), got.rounds)
+
+
+def _estimate(models: dict, taken: list[dict]) -> dict[str, float]:
+    """The figures from the least sample of each variant over the rounds ``taken``."""
+    least = {k: min(s[1] for r in taken for s in r[k]) for k in taken[0]}
+    least_fw = {k: min(s[0] for r in taken for s in r[k]) for k in taken[0]}
+    got = {size: _figures(setup, {k: t for (s, k), t in least.items() if s == size},
+                          {k: t for (s, k), t in least_fw.items() if s == size})
+           for size, setup in models.items()}
+    shallow, deep, tiny, large = got["shallow"], got["deep"], got["tiny"], got.get("large")
+    # per call: mechanism = call + saved * saved_tensor; the tiny call is nearly all
+    # per-call cost, the deep one saves many tensors
+    saved_us = max(0.0, (deep["mechanism_us"] - tiny["mechanism_us"]) / max(1, deep["saved"] - tiny["saved"]))
+    call_us = max(0.0, tiny["mechanism_us"] - tiny["saved"] * saved_us)
+    selective_us = max(0.0, shallow["selective_us"] / (2 * shallow["ops"]))
+    small = {"op_us": round(shallow["op_us"], 3), "checkpoint_call_us": round(call_us, 2),
+             "saved_tensor_us": round(saved_us, 3), "selective_op_us": round(selective_us, 3),
+             "untimed_op_us": round(shallow["untimed_op_us"], 3), "backward_op_us": round(shallow["backward_op_us"], 3),
+             "backward_untimed_us": round(shallow["backward_untimed_us"], 3)}
+    return small if large is None else {**small, **_large_figures(models, small, large)}
+
+
+def _large_models() -> tuple[dict, torch.Tensor]:
+    """The calibration at the large size (:mod:`autosac.core.hostsize`): one
+    block per region, plain, twice, whole and selective, as the shallow one."""
+    from autosac.core.hostsize import LARGE_BATCH, LARGE_REGIONS, LARGE_SEQ, LARGE_WIDTH
+
+    x = torch.randn(LARGE_BATCH, LARGE_SEQ, LARGE_WIDTH)
+    return _calibration_models(lambda: _Block(LARGE_WIDTH, 1), LARGE_REGIONS, x, selective=True), x
+
+
+def _large_figures(models: dict, small: dict, large: dict) -> dict[str, float]:
+    """The large-size extras and both sizes' typical op bytes (:func:`autosac.core.hostsize.fit_extras`)."""
+    from autosac.core.hostsize import anchor_bytes, fit_extras
+
+    small_bytes, large_bytes = anchor_bytes(models["shallow"]["stats"]), anchor_bytes(models["large"]["stats"])
+    extras = fit_extras(small, large, models["large"]["stats"], small_bytes, large_bytes)
+    return {"small_op_bytes": round(small_bytes), "large_op_bytes": round(large_bytes), **extras}
+
+
+def _scale(figures: dict[str, float], name: str) -> float:
+    """What a figure's noise is measured against: an op call's host time for
+    the per-op figures (a small or signed part of it need not agree to 10 %
+    of itself), else the figure itself."""
+    return figures["op_us"] if name in _PER_OP else 0.0
+
+
+def _calibration_models(region, blocks: int, x: torch.Tensor, selective: bool = False) -> dict:
+    """One calibration model (``blocks`` regions, each made by ``region()``
+    and followed by a plain layer), its profile, and its variants: plain (where ``selective``), each region's
+    forward run twice, every region checkpointed whole, and (``selective``)
+    every region caching its first matmul."""
+    import copy
+    import warnings
+    from dataclasses import replace
+
+    import autosac.applier
+    import autosac.trace
+    from autosac.core.devices import DEVICES
+    from autosac.solver import plan_from_decisions
+
+    # each region followed by a plain layer, never checkpointed: in a real plan other work runs between
+    # checkpointed calls and evicts the machinery's code and data from the caches.  Calibrated back to
+    # back, a call cost less than half (180 against 410 us here): a transformers Llama's norm region
+    # was priced 0.36 ms and measured 0.52-0.59 ms in place (now 0.58; benchmarks/predict_suite.py)
+    model = nn.Sequential(*[m for _ in range(blocks) for m in (region(), _Layer(x.shape[-1]))])
+    regions = [str(i) for i in range(0, 2 * blocks, 2)]  # module "0" is the first region
+    # the trace times each op on this CPU (cached): the kernels' part of the step
+    spec = replace(DEVICES["cpu"], host=HostCosts())  # zero host costs: no calibration inside the calibration
+    stats = autosac.trace.profile(model, x, target=spec, optimizer="none", output_held=False)
+    whole = plan_from_decisions(stats, dict.fromkeys(regions, 1.0))
+    variants = {"twice": nn.Sequential(*[_Twice(r) if i % 2 == 0 else r for i, r in enumerate(copy.deepcopy(model))])}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        variants["whole"] = autosac.applier.apply(copy.deepcopy(model), whole)
+        if selective:  # the same regions, each caching its first matmul and recomputing the rest
+            variants["none"] = model
+            partial = copy.deepcopy(whole)
+            for d in partial.details.values():
+                d.save = [next(i for i, (op, _) in enumerate(d.calls) if op == "addmm")]
+                d.skip = []
+            variants["selective"] = autosac.applier.apply(copy.deepcopy(model), partial)
+    return {"stats": stats, "variants": variants, "blocks": blocks}
+
+
+def _figures(setup: dict, times: dict[str, float], forwards: dict[str, float]) -> dict:
+    """One calibration model's figures from its timed variants: the host time
+    per op, and per checkpointed call what the checkpoint adds beyond
+    re-running the forward (whole: against running each forward twice) and
+    what the selective path adds beyond that (against the whole path, less
+    the cached matmul it does not re-run).  ``times``: forward and backward;
+    ``forwards``: the forward alone.  Only differences of measured times, but
+    for that one matmul's traced time."""
+    stats, blocks = setup["stats"], setup["blocks"]
+    tl = stats.timeline
+    w0, w1 = stats.modules["0"].fw_windows[0]
+    out = {"ops": w1 - w0, "saved": stats.modules["0"].saved_tensors[0],
+           "mechanism_us": (times["whole"] - times["twice"]) / blocks * 1e3}
+    if "none" in times:
+        # the blocks are narrow: their kernels' compute is a small part of the step,
+        # which is nearly all host time (a slight overestimate of the host's part)
+        forward = [ms for ms, phase in zip(tl.ms, tl.phases) if phase != "backward"]
+        backward = [ms for ms, phase in zip(tl.ms, tl.phases) if phase == "backward"]
+        fw_ms, bw_ms = forwards["none"], times["none"] - forwards["none"]
+        out["op_us"] = fw_ms * 1e3 / len(forward)
+        out["untimed_op_us"] = untimed_us = max(0.0, (fw_ms - sum(forward)) * 1e3 / len(forward))
+        out["backward_op_us"] = bw_ms * 1e3 / len(backward)
+        # negative where timing an op from Python counts more than the engine pays; bounded,
+        # so that kernel timings taken in a slow moment cannot make backward ops free
+        out["backward_untimed_us"] = max(-0.5 * out["backward_op_us"], (bw_ms - sum(backward)) * 1e3 / len(backward))
+    if "selective" in times:  # its replay: the whole forward but the cached matmul
+        kept = next(e for e in range(w0, w1) if tl.ops[e] == "addmm")
+        kept_us = tl.ms[kept] * 1e3 + untimed_us
+        out["selective_us"] = (times["selective"] - times["whole"]) / blocks * 1e3 + kept_us
+    return out
+
+
+def _take_round(variants: dict, x: torch.Tensor, repeats: int = 3) -> dict:
+    """One round: ``repeats`` (forward ms, forward-and-backward ms) samples
+    per variant (on ``x``, or ``x[name]`` where it is a dict), in CPU time of this thread (the calibration's ops are too
+    small to run on other threads, and another process's time slices are
+    not counted), and the share of a core the thread had meanwhile."""
+    tick = time.thread_time
+    share = share_meter()
+
+    def step(m, x) -> tuple[float, float]:
+        t0 = tick()
+        loss = m(x).sum()
+        t1 = tick()
+        loss.backward()
+        m.zero_grad(set_to_none=True)
+        return (t1 - t0) * 1e3, (tick() - t0) * 1e3
+
+    samples = {name: [step(m, x[name] if isinstance(x, dict) else x) for _ in range(repeats)]
+               for name, m in variants.items()}
+    return samples, share()
+
+
+__all__ = ["HostCosts", "calibrate", "host_costs", "noisy_until", "remeasure"]
+
+# a target that states no host figures is priced with this machine's: measured here, asked for by the data module
+register_calibration(calibrate)
