@@ -15,228 +15,34 @@ stack of the op that produced them.
 from __future__ import annotations
 
 import bisect
-import threading
 import weakref
-from dataclasses import dataclass, field
-from functools import cache, lru_cache
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 
-from autosac.core.allocations import allocation_peak
 from autosac.core.dataflow import DataflowTracker, tensors_in
-from autosac.core.errors import ProfilerBusyError
 from autosac.core.opkinds import is_param_cast, is_random_op, is_view_op, writes_input, written_tensors
 from autosac.trace.costs import CostModel, transient_bytes
-from autosac.trace.fake_kernels import run_fake
-from autosac.trace.layouts import restrides, with_kernel_strides
-from autosac.trace.routing import ROUTED_NUMEL, RoutingTrace, with_long_indices
+from autosac.trace.execution import SMALL_NUMEL, run_op, with_kernel_layout
+from autosac.trace.probes import (
+    PROBE_CAP_FLOPS,
+    REAL_SIZE_OPS,
+    dtypes_key,
+    needs_probe,
+    number_in_tensor_slot,
+    probed_scratch_bytes,
+    real_output_bytes,
+    saved_number_bytes,
+    scalar_scratch_bytes,
+)
+from autosac.trace.recording import Recording, Stack, StorageRecord, common_prefix
+from autosac.trace.routing import RoutingTrace
 
-Stack = tuple[str, ...]
 _ACCUMULATE_GRAD_SEQ = 2**64 - 1
 _CASTS = {"_to_copy", "to", "type_as"}
-
-
-@dataclass
-class StorageRecord:
-    nbytes: int
-    kind: str  # param | buffer | input | optim | act | temp | grad
-    created: int  # event index; -1 when it existed before the step
-    producer: int = -1  # event index of the op that allocated it
-    freed: int | None = None  # first event index at which it is no longer live
-    saver_stack: Stack | None = None  # common ancestor stack of the ops that saved it
-    saver_stacks: set[Stack] = field(default_factory=set)  # each distinct stack that saved it
-    param_cast: bool = False
-    cast_of: str = ""  # param_cast: the parameter's fqn
-    writers: list[int] = field(default_factory=list)  # forward in-place ops that wrote it later
-    saved_as_view: bool = False  # autograd saved a view of it, not the base tensor
-
-
-@dataclass
-class Recording:
-    """Raw facts of one step; :mod:`autosac.trace.aggregate` turns them into ModelStats."""
-
-    ops: list[str] = field(default_factory=list)
-    phases: list[str] = field(default_factory=list)
-    stacks: list[Stack] = field(default_factory=list)
-    ms: list[float] = field(default_factory=list)
-    flops: list[int] = field(default_factory=list)
-    views: list[bool] = field(default_factory=list)
-    random: list[bool] = field(default_factory=list)  # draws from the RNG
-    writes: list[bool] = field(default_factory=list)  # writes an input in place
-    transient: dict[int, int] = field(default_factory=dict)  # event -> scratch bytes inside the op
-    inputs: dict[int, list[int]] = field(default_factory=dict)  # forward event -> events that made its inputs
-    written: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)  # event -> [(producer, storage, bytes)]
-    storages: list[StorageRecord] = field(default_factory=list)
-    fw_windows: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
-    fw_pre_order: list[str] = field(default_factory=list)
-    fw_post_order: list[str] = field(default_factory=list)
-    io_bytes: dict[str, list[int]] = field(default_factory=dict)  # fqn -> [inputs, outputs]
-    input_storages: dict[str, list[list[int]]] = field(default_factory=dict)  # fqn -> per call, storage records
-    origins: dict[int, int] = field(default_factory=dict)  # backward event -> forward event that made its node
-    output_storages: dict[str, set[int]] = field(default_factory=dict)  # fqn -> storage records it returned
-    param_dtypes: dict[str, set[str]] = field(default_factory=dict)
-    unknown_ops: set[str] = field(default_factory=set)
-    # each tensor autograd saved in the forward: (ops recorded before the save, module stack at the save);
-    # an op's inputs are saved before it runs, its outputs after, so the stack tells whose call it was
-    save_points: list[tuple[int, Stack]] = field(default_factory=list)
-    # forward events that read a tensor derived from an MoE routing decision (or make one:
-    # autosac.trace.routing); their number and sizes follow the routing assumed
-    routed: set[int] = field(default_factory=set)
-    routers: list = field(default_factory=list)  # the routing decisions the forward made (RouterCall)
-
-
-SMALL_NUMEL = 1 << 16  # tensors this small (and on the cpu) may be computed for real
 _TRACE_DEVICES = ("cpu", "meta")  # the trace's fakes are on the cpu; a real meta tensor is a fake's equal
-
-
-# Ops whose kernels (CPU and CUDA) lay their first output out in the input's
-# suggested memory format -- contiguous, or channels-last -- where the meta
-# kernel keeps the input's strides.  Found by comparing real and fake output
-# strides of the common ops on non-contiguous inputs; only batch norm differed.
-# The strides matter for memory: a transposed batch-norm output fed to a matmul
-# is copied to contiguous in the real step, not in the trace.
-# Op name -> the argument whose format it is (batch norm's backward: the forward input).
-SUGGESTED_FORMAT_OPS = {"native_batch_norm": 0, "_native_batch_norm_legit": 0,
-                        "_native_batch_norm_legit_no_training": 0, "native_batch_norm_backward": 1}
-
-
-def with_kernel_layout(func, args, out, kwargs=None):
-    """``out`` with its first tensor laid out as the real kernel lays it out
-    (:data:`SUGGESTED_FORMAT_OPS`; a view's or pointwise op's size-1 dims,
-    :mod:`autosac.trace.layouts`); other ops' outputs unchanged."""
-    if restrides(func):
-        return with_kernel_strides(func, args, kwargs or {}, out)
-    which = SUGGESTED_FORMAT_OPS.get(func.overloadpacket.__name__)
-    if which is None or not isinstance(out, tuple) or not out or len(args) <= which:
-        return out
-    x, first = args[which], out[0]
-    fmt = _suggested_format(x)
-    if not isinstance(first, FakeTensor) or not isinstance(x, torch.Tensor) or first.is_contiguous(memory_format=fmt):
-        return out
-    return (torch.empty_like(first, memory_format=fmt), *out[1:])
-
-
-def _suggested_format(x: torch.Tensor) -> torch.memory_format:
-    """ATen's ``suggest_memory_format``: channels-last for a 4-d (5-d) tensor laid
-    out so, and not also contiguous; else contiguous."""
-    for dim, fmt in ((4, torch.channels_last), (5, torch.channels_last_3d)):
-        if x.dim() == dim and x.is_contiguous(memory_format=fmt) and not x.is_contiguous():
-            return fmt
-    return torch.contiguous_format
-
-
-def run_op(func, args, kwargs, made_in_trace=lambda t: False, fake_mode=None, small_values=True, routed=None):
-    """Run one op of the trace: under fake mode, unless it only reads small real
-    tensors (or none) and makes small ones (and ``small_values``: a trace whose
-    fused kernels are skipped computes no values, so its ops all run fake).
-
-    Code that branches on tensor values -- position ids, attention masks, a
-    cache's length -- then sees the values an eager step sees, and code that
-    asks whether it is being traced (``isinstance(x, FakeTensor)``, as
-    transformers does before choosing its attention-mask path) gets the same
-    answer as in the real step, so the trace takes the real step's branches.
-    Random ops always run fake: the trace never advances the real RNG; and an
-    op that writes in place runs for real only into tensors the trace made
-    (``made_in_trace``): the model's own tensors are never changed (a write
-    into one goes to a fake twin of it).  ``routed`` (a
-    :class:`~autosac.trace.routing.RoutingTrace`): real tensors derived from
-    routing decisions run for real up to ``ROUTED_NUMEL`` elements, and what
-    they make is derived too.  Fake ops go through
-    :func:`~autosac.trace.fake_kernels.run_fake` (meta kernels that refuse
-    what the real kernel runs).
-    """
-    if is_random_op(func):
-        return func(*args, **kwargs)
-    if func.namespace != "aten":
-        return run_fake(func, args, kwargs)
-    foreign = [t for t in written_tensors(func, args, kwargs) if not isinstance(t, FakeTensor) and not made_in_trace(t)]
-    if foreign:
-        if fake_mode is None:
-            raise RuntimeError("autosac: an op writes into a real tensor of the model during the trace")
-        twins = {id(t): fake_mode.from_tensor(t) for t in foreign}
-        args, kwargs = tree_map(lambda a: twins.get(id(a), a) if isinstance(a, torch.Tensor) else a, (args, kwargs))
-        return run_fake(func, args, kwargs)
-    tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-    if small_values and func.overloadpacket.__name__ in VALUE_FREE_OPS:
-        made = _made_from_shapes(func, args, kwargs)
-        if made is not None:
-            return made
-    if not small_values or any(isinstance(t, FakeTensor) or t.requires_grad or t.device.type != "cpu"
-                               for t in tensors):
-        return run_fake(func, with_long_indices(func, args, routed), kwargs)
-    from_routing = routed is not None and routed.reads_routing(tensors)
-    if sum(t.numel() for t in tensors) > (ROUTED_NUMEL if from_routing else SMALL_NUMEL):
-        return run_fake(func, args, kwargs)
-    if not tensors:  # a factory: real only when what it makes is small and on the cpu
-        fake = func(*args, **kwargs)
-        made = [t for t in tree_leaves(fake) if isinstance(t, torch.Tensor)]
-        if not made or any(t.device.type != "cpu" or t.numel() > SMALL_NUMEL for t in made):
-            return fake
-    with unset_fake_temporarily():
-        out = func(*args, **kwargs)
-    if from_routing:
-        routed.mark(out)
-    return out
-
-
-# Ops whose output values are set by the op, not read from their tensor input
-# (only its shape, dtype and device are): a small one on the cpu is made for
-# real from a fake input, so lengths computed from it (``ones_like(audio,
-# dtype=long).sum(-1)``, transformers' CTC heads) are values the trace has.
-VALUE_FREE_OPS = frozenset({"ones_like", "zeros_like", "full_like", "new_ones", "new_zeros", "new_full"})
-
-
-def _made_from_shapes(func, args, kwargs):
-    """A :data:`VALUE_FREE_OPS` op's integer or boolean output (lengths, masks),
-    made for real from an empty twin of its fake input when small and on the
-    cpu; ``None`` otherwise.  A floating one stays fake: what it holds is
-    written next by ops on fake activations (an MoE's ``zeros_like`` output
-    buffer), whose results a real tensor could not keep."""
-    x = args[0] if args else None
-    if not isinstance(x, FakeTensor) or any(isinstance(a, torch.Tensor) for a in tree_leaves((args[1:], kwargs))):
-        return None
-    fake = func(*args, **kwargs)
-    if (not isinstance(fake, torch.Tensor) or fake.device.type != "cpu" or fake.numel() > SMALL_NUMEL
-            or fake.is_floating_point() or fake.is_complex()):
-        return fake
-    with unset_fake_temporarily():
-        return func(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype), *args[1:], **kwargs)
-
-
-# Kernels whose outputs the meta kernel sizes unlike the real one: their output
-# sizes are read off a real call on zeros.  oneDNN's RNN workspace; and losses
-# whose reduced result is a 0-dim view of the input-sized elementwise loss the
-# kernel made (mse_loss(reduction="mean") of a 64 KiB input returns a scalar
-# holding 64 KiB, alive as long as the loss is: through backward).
-REAL_SIZE_OPS = frozenset({"mkldnn_rnn_layer", "mse_loss", "smooth_l1_loss", "soft_margin_loss",
-                           "binary_cross_entropy"})
-# Kernels whose internal working memory depends on the kernel's own choices
-# (oneDNN's reorders in a convolution's backward; the CPU flash attention's
-# per-thread blocks), and losses that reduce an input-sized elementwise loss
-# they make inside the kernel (mse_loss(reduction="mean") of a 64 KiB input
-# peaks 128 KiB above its result on the CPU): measured on a real call on zeros.
-PROBE_SCRATCH_OPS = frozenset({
-    "convolution_backward", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_flash_attention_for_cpu_backward",
-    "mse_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "soft_margin_loss",
-})
-# Matmuls in half precision (oneDNN converts and reorders blocks internally).
-_HALF_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
-
-
-def needs_probe(func, args) -> bool:
-    """Whether the kernel's internal working memory is measured by a probe."""
-    name = func.overloadpacket.__name__
-    if name in PROBE_SCRATCH_OPS or name == "mkldnn_rnn_layer_backward":
-        return True
-    return name in _HALF_MATMULS and any(
-        isinstance(a, torch.Tensor) and a.dtype in (torch.bfloat16, torch.float16) for a in args
-    )
-_PROBE_CAP_BYTES = 256 << 20
-_PROBE_CAP_FLOPS = 3e10  # a probe runs the kernel for real: about a second here at most
 
 
 def _without_graph(t):
@@ -252,206 +58,6 @@ def _without_graph(t):
         return t
     with _disable_current_modes():
         return t.detach()
-
-
-@dataclass(frozen=True)
-class _Zeros:
-    shape: tuple
-    stride: tuple
-    dtype: torch.dtype
-
-
-def _spec(x):
-    """A hashable stand-in for an op's arguments: tensors by shape, stride and dtype."""
-    if isinstance(x, torch.Tensor):
-        return _Zeros(tuple(x.shape), tuple(x.stride()), x.dtype)
-    if isinstance(x, (list, tuple)):
-        return tuple(_spec(v) for v in x)
-    return x
-
-
-def _real(x):
-    """Zeros (with the recorded strides) for each :class:`_Zeros` in ``x``."""
-    if isinstance(x, _Zeros):
-        return torch.empty_strided(x.shape, x.stride, dtype=x.dtype).zero_()
-    return [_real(v) for v in x] if isinstance(x, tuple) else x
-
-
-@lru_cache(maxsize=256)
-def _probe(func, args: tuple, kwargs: tuple) -> tuple[int, ...] | None:
-    try:
-        with unset_fake_temporarily(), torch.random.fork_rng(devices=[]):
-            out = func(*[_real(a) for a in args], **{k: _real(v) for k, v in kwargs})
-        return tuple(t.untyped_storage().nbytes() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
-    except Exception:  # noqa: BLE001 - no probe: keep the meta kernel's sizes
-        return None
-
-
-@lru_cache(maxsize=512)
-def _probe_scratch(func, args: tuple, kwargs: tuple) -> int | None:
-    try:
-        with unset_fake_temporarily(), torch.random.fork_rng(devices=[]):  # never advance the real RNG
-            real_args = [_real(a) for a in args]
-            real_kwargs = {k: _real(v) for k, v in kwargs}
-            peak, made = allocation_peak(lambda: func(*real_args, **real_kwargs))
-        return max(0, peak - max(made, 0))
-    except ProfilerBusyError:
-        raise
-    except Exception:  # noqa: BLE001 - no probe: keep the modelled scratch
-        return None
-
-
-@lru_cache(maxsize=64)
-def _probe_rnn_backward(args: tuple) -> tuple[int, int] | None:
-    """oneDNN's RNN backward reads the workspace its forward wrote: a probe on
-    zeros alone could crash, so the layer's forward runs first (on zeros of the
-    same shapes, with the same settings) and its backward is measured on what
-    that forward returned: ``(peak, net)`` as :func:`allocation_peak`."""
-    (inp, w1, w2, w3, w4, hx, cx, _out, _hy, _cy, g_out, g_hy, g_cy,
-     reverse, mode, hidden, layers, biases, train, bidirectional, batch_sizes, batch_first, _ws) = args
-    try:
-        with unset_fake_temporarily(), torch.enable_grad():  # the forward writes a workspace only with grad on
-            x, a, b, c, d, h0, c0 = (_real(t) for t in (inp, w1, w2, w3, w4, hx, cx))
-            out, hy, cy, ws = torch.ops.aten.mkldnn_rnn_layer(
-                x, a, b, c, d, h0, c0, reverse, list(batch_sizes), mode, hidden, layers, biases, bidirectional,
-                batch_first, train)
-            grads = [None if g is None else _real(g) for g in (g_out, g_hy, g_cy)]
-            return allocation_peak(lambda: torch.ops.aten.mkldnn_rnn_layer_backward(
-                x, a, b, c, d, h0, c0, out, hy, cy, *grads, reverse, mode, hidden, layers, biases, train,
-                bidirectional, list(batch_sizes), batch_first, ws))
-    except ProfilerBusyError:
-        raise
-    except Exception:  # noqa: BLE001 - no probe: keep the modelled scratch
-        return None
-
-
-def probed_scratch_bytes(func, args, kwargs, default: int, outs=()) -> int:
-    """Working memory the real kernel allocates and frees inside one call (its
-    peak above what it returns), measured once per shape on zeros (inputs up to
-    256 MiB); ``default`` when it cannot be measured.
-
-    oneDNN's RNN backward returns the two bias gradients as two tensors where
-    the meta kernel returns one: the difference to the fake ``outs`` is counted
-    here too."""
-    tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-    if sum(t.numel() * t.element_size() for t in tensors) > _PROBE_CAP_BYTES:
-        return default
-    try:
-        if func.overloadpacket.__name__ == "mkldnn_rnn_layer_backward" and not kwargs:
-            probed = _probe_rnn_backward(_spec(tuple(args)))
-            if probed is None:
-                return default
-            peak, made = probed
-            fake_made = sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in outs}.values())
-            return max(0, peak - made) + max(0, made - fake_made)
-        found = _probe_scratch(func, _spec(tuple(args)), tuple(sorted((k, _spec(v)) for k, v in kwargs.items())))
-    except TypeError:
-        return default
-    return default if found is None else found
-
-
-_WRAPPED = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
-
-
-def scalar_scratch_bytes(func, args, kwargs, device_type: str = "cpu") -> int:
-    """What a CPU pointwise kernel allocates for a Python number passed as its
-    ``other`` operand (``x * 2.0``, ``ids.ne(-100)``): the number wrapped in a
-    0-dim tensor (8 bytes for a float or int, 1 for a bool), plus its cast to
-    the op's dtype where that differs (4 more for float32).  Numbers in other
-    slots (``alpha``, ``min``, a fill value) are kernel parameters and cost
-    nothing.  Measured with the profiler's allocator events; on a GPU the
-    number is a kernel argument and costs no device memory."""
-    if device_type != "cpu" or torch.Tag.pointwise not in func.tags:
-        return 0
-    i = _other_slot(func)
-    v = None if i is None else _arg(args, kwargs, i, "other")
-    if type(v) not in _WRAPPED:
-        return 0
-    first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-    if first is None or first.device.type != "cpu":
-        return 0
-    wrapped = _WRAPPED[type(v)]
-    return wrapped.itemsize + (first.element_size() if first.dtype != wrapped else 0)
-
-
-def real_output_bytes(func, args, kwargs) -> tuple[int, ...] | None:
-    """Storage bytes of each tensor output when the real kernel runs (on zeros
-    of the same shapes; inputs up to 256 MiB), or None."""
-    tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-    if sum(t.numel() * t.element_size() for t in tensors) > _PROBE_CAP_BYTES:
-        return None
-
-    try:
-        return _probe(func, _spec(tuple(args)), tuple(sorted((k, _spec(v)) for k, v in kwargs.items())))
-    except TypeError:  # unhashable arguments
-        return None
-
-
-@cache
-def _tensor_slots(func) -> tuple[tuple[int, str], ...]:
-    """(position, name) of the schema's Tensor-typed arguments (once per op)."""
-    return tuple((i, a.name) for i, a in enumerate(func._schema.arguments) if isinstance(a.type, torch.TensorType))
-
-
-@cache
-def _other_slot(func) -> int | None:
-    """Position of the schema's ``other`` argument, if it has one."""
-    return next((i for i, a in enumerate(func._schema.arguments) if a.name == "other"), None)
-
-
-def _arg(args, kwargs, i: int, name: str):
-    return args[i] if i < len(args) else kwargs.get(name)
-
-
-def _number_in_tensor_slot(func, args, kwargs) -> bool:
-    """Whether a Python number was passed where the schema takes a Tensor."""
-    return any(isinstance(_arg(args, kwargs, i, n), (int, float, complex)) for i, n in _tensor_slots(func))
-
-
-def _dtypes(x):
-    """A hashable stand-in for an op's arguments: tensors by dtype alone."""
-    if isinstance(x, torch.Tensor):
-        return _Zeros((), (), x.dtype)
-    if isinstance(x, dict):
-        return tuple((k, _dtypes(v)) for k, v in x.items())
-    if isinstance(x, (list, tuple)):
-        return tuple(_dtypes(v) for v in x)
-    return x
-
-
-@lru_cache(maxsize=256)
-def _saved_number_bytes(func, args: tuple, kwargs: tuple) -> int:
-    """Bytes of the 0-dim tensors autograd keeps for the numbers an in-place op
-    took in Tensor slots (``h.mul_(0.5)`` keeps 0.5): the op run for real on
-    0-dim tensors, its node's saved values read.  It runs on a thread of its
-    own, outside this dispatch (where autograd is below) and any mode."""
-    found = []
-    worker = threading.Thread(target=lambda: found.append(_numbers_kept(func, args, kwargs)), daemon=True)
-    worker.start()
-    worker.join()
-    return found[0] if found else 0
-
-
-def _numbers_kept(func, args: tuple, kwargs: tuple) -> int:
-    try:
-        real = [_real(a).requires_grad_().clone() if isinstance(a, _Zeros) else a for a in args]
-        out = func(*real, **{k: _real(v) for k, v in kwargs})
-    except Exception:  # noqa: BLE001 - an op that cannot run on 0-dim tensors: nothing counted
-        return 0
-    node = out.grad_fn if isinstance(out, torch.Tensor) else None
-    saved = [getattr(node, n) for n in dir(node) if n.startswith("_saved_")] if node is not None else []
-    mine = {id(t) for t in real if isinstance(t, torch.Tensor)}
-    return sum(v.untyped_storage().nbytes() for v in saved
-               if isinstance(v, torch.Tensor) and v.dim() == 0 and id(v) not in mine and not v.requires_grad)
-
-
-def common_prefix(a: Stack, b: Stack) -> Stack:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return a[:n]
 
 
 class StepRecorder(TorchDispatchMode):
@@ -590,7 +196,7 @@ class StepRecorder(TorchDispatchMode):
 
     def _hold_numbers(self, node, event: int, nbytes: int) -> None:
         """The numbers an in-place op on a view keeps, inside a ``CopySlices``
-        node that shows no saved values: ``nbytes`` (:func:`_saved_number_bytes`)
+        node that shows no saved values: ``nbytes`` (:func:`~autosac.trace.probes.saved_number_bytes`)
         live from ``event`` until that node's backward has run."""
         if not nbytes:
             return
@@ -734,7 +340,7 @@ class StepRecorder(TorchDispatchMode):
         if routed:
             rec.routed.add(idx)
         scratch = transient_bytes(func, args)
-        if needs_probe(func, args) and flops <= _PROBE_CAP_FLOPS:
+        if needs_probe(func, args) and flops <= PROBE_CAP_FLOPS:
             scratch = probed_scratch_bytes(func, args, kwargs, scratch, outs)
         scratch += scalar_scratch_bytes(func, args, kwargs, self.device_type) + self._loose_scalar_bytes(args)
         if scratch:
@@ -762,8 +368,8 @@ class StepRecorder(TorchDispatchMode):
                     rec.written.setdefault(idx, []).append((-1, -1, 0))
         if phase == "forward":
             self._note_param_use(func, args, outs)
-            if _number_in_tensor_slot(func, args, kwargs):
-                self._number_args[idx] = _saved_number_bytes(func, _dtypes(args), _dtypes(kwargs)) if writes else 0
+            if number_in_tensor_slot(func, args, kwargs):
+                self._number_args[idx] = saved_number_bytes(func, dtypes_key(args), dtypes_key(kwargs)) if writes else 0
             # grad_fn is attached above this dispatch level: resolve it at the next op
             self._pending.extend((weakref.ref(t), stack, idx, t._version) for t in outs if t.is_floating_point())
         return out
