@@ -14,7 +14,6 @@ stack of the op that produced them.
 
 from __future__ import annotations
 
-import bisect
 import weakref
 
 import torch
@@ -26,6 +25,7 @@ from autosac.core.dataflow import DataflowTracker, tensors_in
 from autosac.core.opkinds import is_param_cast, is_random_op, is_view_op, writes_input, written_tensors
 from autosac.trace.costs import CostModel, transient_bytes
 from autosac.trace.execution import SMALL_NUMEL, run_op, with_kernel_layout
+from autosac.trace.nodes import NodeOrigins
 from autosac.trace.probes import (
     PROBE_CAP_FLOPS,
     REAL_SIZE_OPS,
@@ -37,10 +37,9 @@ from autosac.trace.probes import (
     saved_number_bytes,
     scalar_scratch_bytes,
 )
-from autosac.trace.recording import Recording, Stack, StorageRecord, common_prefix
+from autosac.trace.recording import OpRecord, Recording, Stack, StorageRecord, common_prefix
 from autosac.trace.routing import RoutingTrace
 
-_ACCUMULATE_GRAD_SEQ = 2**64 - 1
 _CASTS = {"_to_copy", "to", "type_as"}
 _TRACE_DEVICES = ("cpu", "meta")  # the trace's fakes are on the cpu; a real meta tensor is a fake's equal
 
@@ -76,11 +75,8 @@ class StepRecorder(TorchDispatchMode):
         self._param_of: dict[str, torch.Tensor] = {}
         self._param_stack: dict[int, Stack] = {}  # id(param) -> owner module stack
         self._pending: list[tuple[weakref.ref, Stack, int, int]] = []  # (output, stack, event, its version then)
-        self._seq_keys: list[int] = []
-        self._seq_stacks: list[Stack] = []
-        self._seq_events: list[int] = []
+        self._nodes = NodeOrigins()  # the forward's autograd nodes -> the stack and event that made them
         self._flow = DataflowTracker()
-        self._applying = 0  # depth of backward nodes computing now
         self._engine_sums: list[tuple[int, int]] = []  # (event, storage of the first gradient)
         self._number_args: dict[int, int] = {}  # forward events with a number in a Tensor argument -> in-place bytes
         self.device_type = "cpu"  # the device the traced step's tensors are on
@@ -178,21 +174,9 @@ class StepRecorder(TorchDispatchMode):
                     self._hold_numbers(node, event, self._number_args[event])
                 else:
                     self._track_saved_numbers(node, event)
-            self._map_node(node, stack, event)
+            self._nodes.add(node, stack, event)
         self._pending.clear()
         self._number_args.clear()
-
-    def _map_node(self, node, stack: Stack, event: int) -> None:
-        """Remember that ``node`` was made in ``stack`` by forward ``event``.
-        Nodes are numbered in creation order: one no newer than the last mapped
-        was passed on, not made, by the op."""
-        seq = node._sequence_nr()
-        if self._seq_keys and seq <= self._seq_keys[-1]:
-            return
-        self._watch_apply(node)
-        self._seq_keys.append(seq)
-        self._seq_stacks.append(stack)
-        self._seq_events.append(event)
 
     def _hold_numbers(self, node, event: int, nbytes: int) -> None:
         """The numbers an in-place op on a view keeps, inside a ``CopySlices``
@@ -220,26 +204,13 @@ class StepRecorder(TorchDispatchMode):
                 if self._is_loose_scalar(v):
                     self.track(v, "act", created=event)
 
-    def _watch_apply(self, node) -> None:
-        """Count when the backward runs inside a node's own computation, so that
-        the engine's work between nodes (summing gradients) can be told apart."""
-
-        def enter(grad_outputs):
-            self._applying += 1
-
-        def leave(grad_inputs, grad_outputs):
-            self._applying -= 1
-
-        node.register_prehook(enter)
-        node.register_hook(leave)
-
     def _note_engine_sum(self, func, args, kwargs, idx: int) -> None:
         """The engine sums two gradients for one input out of place on fake
         tensors, but in place into the first when it holds the last reference
         to a dense tensor (and grad mode is off): remember such sums, settled
         in :meth:`finish` once it is known whether that reference was the last."""
         if (
-            self._applying or func is not torch.ops.aten.add.Tensor or torch.is_grad_enabled()
+            self._nodes.applying or func is not torch.ops.aten.add.Tensor or torch.is_grad_enabled()
             or kwargs.get("alpha", 1) != 1 or len(args) != 2
         ):
             return
@@ -253,21 +224,6 @@ class StepRecorder(TorchDispatchMode):
         i = self.index_of(old)
         if i is not None and self.rec.storages[i].kind == "temp":
             self._engine_sums.append((idx, i))
-
-    def _backward_stack(self) -> tuple[Stack, int]:
-        """The module stack the running backward node was created in, and the
-        forward event that created it (-1 for gradient accumulation)."""
-        node = torch._C._current_autograd_node()
-        if node is None:
-            return (), -1
-        seq = node._sequence_nr()
-        if seq == _ACCUMULATE_GRAD_SEQ:
-            var = getattr(node, "variable", None)
-            return (self._param_stack.get(id(var), ()) if var is not None else ()), -1
-        # Nodes are numbered in creation order, so the closest mapped node at or
-        # before this one was created by the same module's forward.
-        i = bisect.bisect_right(self._seq_keys, seq) - 1
-        return (self._seq_stacks[i], self._seq_events[i]) if i >= 0 else ((), -1)
 
     # ------------------------------------------------------ saved tensors
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -291,88 +247,114 @@ class StepRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.namespace in ("prim", "profiler"):
             return func(*args, **kwargs)
+        args, kwargs = self._as_traced(args, kwargs)
+        if self._pending:
+            self._flush_pending()
+        ran, routed = self._run(func, args, kwargs)
+        if writes_input(func) and not is_view_op(func):
+            self._note_stale(func, args, kwargs, ran)
+        out = with_kernel_layout(func, args, ran, kwargs)
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        op = self._op_record(func, args, kwargs, out, outs)
+        idx = self.rec.add_op(op)
+        if routed:
+            self.rec.routed.add(idx)
+        self._note_scratch(func, args, kwargs, idx, op.flops, outs)
+        if op.phase == "backward":
+            self._note_engine_sum(func, args, kwargs, idx)
+        elif op.phase == "forward":
+            deps = self._flow.reads(args, kwargs)
+            if deps:
+                self.rec.inputs[idx] = deps
+            self._flow.record(idx, func, args, kwargs, out)
+        self._track_outputs(func, args, kwargs, outs, idx, "act" if op.phase == "forward" else "temp")
+        if op.phase == "forward":
+            self._after_forward_op(func, args, kwargs, outs, idx, op)
+        return out
+
+    def _as_traced(self, args, kwargs):
+        """The op's arguments as the trace runs them: real tensors of another
+        device as their cpu twins, stale real tensors as their fakes."""
         if any(not isinstance(t, FakeTensor) and t.device.type not in _TRACE_DEVICES for t in tensors_in(args, kwargs)):
             args, kwargs = self._on_trace_device(args, kwargs)
         if self._stale and any(id(t.untyped_storage()) in self._stale for t in tensors_in(args, kwargs)
                                if not isinstance(t, FakeTensor)):
             args, kwargs = self._stale_as_fake(args, kwargs)
-        if self._pending:
-            self._flush_pending()
+        return args, kwargs
+
+    def _run(self, func, args, kwargs):
+        """Run the op (:func:`~autosac.trace.execution.run_op`), a routing
+        decision of the forward laid out as :attr:`routing` says; return what it
+        made and whether it reads or makes a routed tensor."""
         try:
             ran = run_op(func, args, kwargs, self._made_in_trace, self.fake_mode, self.small_values, self.routing)
         except Exception as e:
             if type(e).__name__ == "DataDependentOutputException" and self._reads_random(args, kwargs):
                 self.random_branch = True
             raise
-        routed = False
-        if self.routing.active and self.phase == "forward" and torch._C._current_autograd_node() is None:
-            picks = len(self.routing.calls)
-            ran = self.routing.route(func, args, kwargs, ran, self._stack_t[-1] if self._stack_t else "")
-            routed = len(self.routing.calls) > picks or self.routing.reads_routing(
-                a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor))
-        if writes_input(func) and not is_view_op(func):
-            self._note_stale(func, args, kwargs, ran)
-        out = with_kernel_layout(func, args, ran, kwargs)
+        if not (self.routing.active and self.phase == "forward" and torch._C._current_autograd_node() is None):
+            return ran, False
+        picks = len(self.routing.calls)
+        ran = self.routing.route(func, args, kwargs, ran, self._stack_t[-1] if self._stack_t else "")
+        routed = len(self.routing.calls) > picks or self.routing.reads_routing(
+            a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor))
+        return ran, routed
 
-        rec = self.rec
-        idx = len(rec.ops)
+    def _op_record(self, func, args, kwargs, out, outs) -> OpRecord:
+        """The op as the recording files it: where it ran, what it cost, what kind of op it is."""
+        origin = -1
         if torch._C._current_autograd_node() is not None:
-            (stack, origin), phase = self._backward_stack(), "backward"
-            if origin >= 0:
-                self.rec.origins[len(self.rec.ops)] = origin
+            (stack, origin), phase = self._nodes.of_running(self._param_stack), "backward"
         else:
             phase, stack = self.phase, self._stack_t
         ms, flops = self.cost.op_ms(func, args, kwargs, out, backward=phase == "backward")
         view = is_view_op(func)
         writes = writes_input(func)
-        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         # ops like _unsafe_view return an alias without being view ops: treat
         # them as views (a replay must run them for their consumers to see data)
         alias = bool(outs) and not writes and all(self.index_of(t) is not None for t in outs)
-        rec.ops.append(func.overloadpacket.__name__)
-        rec.phases.append(phase)
-        rec.stacks.append(stack)
-        rec.ms.append(ms)
-        rec.flops.append(flops)
-        rec.views.append(view or alias)
-        rec.random.append(is_random_op(func))
-        rec.writes.append(writes and not view)
-        if routed:
-            rec.routed.add(idx)
+        return OpRecord(func.overloadpacket.__name__, phase, stack, ms, flops, view or alias, is_random_op(func),
+                        writes and not view, origin)
+
+    def _note_scratch(self, func, args, kwargs, idx: int, flops: int, outs) -> None:
+        """The working memory the op's kernel allocates and frees inside the call."""
         scratch = transient_bytes(func, args)
         if needs_probe(func, args) and flops <= PROBE_CAP_FLOPS:
             scratch = probed_scratch_bytes(func, args, kwargs, scratch, outs)
         scratch += scalar_scratch_bytes(func, args, kwargs, self.device_type) + self._loose_scalar_bytes(args)
         if scratch:
-            rec.transient[idx] = scratch
+            self.rec.transient[idx] = scratch
 
-        if phase == "backward":
-            self._note_engine_sum(func, args, kwargs, idx)
-        if phase == "forward":
-            deps = self._flow.reads(args, kwargs)
-            if deps:
-                rec.inputs[idx] = deps
-            self._flow.record(idx, func, args, kwargs, out)
-        kind = "act" if phase == "forward" else "temp"
+    def _track_outputs(self, func, args, kwargs, outs, idx: int, kind: str) -> None:
+        """Register the storages the op made (sized as the real kernel sizes them
+        where the meta kernel differs: :data:`~autosac.trace.probes.REAL_SIZE_OPS`)."""
         sizes = real_output_bytes(func, args, kwargs) if func.overloadpacket.__name__ in REAL_SIZE_OPS else None
         for j, t in enumerate(outs):
             self.track(t, kind, created=idx, producer=idx, nbytes=sizes[j] if sizes and j < len(sizes) else None)
-        if phase == "forward" and writes and not view:
-            for t in written_tensors(func, args, kwargs):
-                r = self.record_of(t)
-                if r is not None:
-                    if r.producer != idx and r.producer >= 0:
-                        r.writers.append(idx)
-                    rec.written.setdefault(idx, []).append((r.producer, self.index_of(t), r.nbytes))
-                else:  # a tensor the trace never saw made (a global, say): made before any call
-                    rec.written.setdefault(idx, []).append((-1, -1, 0))
-        if phase == "forward":
-            self._note_param_use(func, args, outs)
-            if number_in_tensor_slot(func, args, kwargs):
-                self._number_args[idx] = saved_number_bytes(func, dtypes_key(args), dtypes_key(kwargs)) if writes else 0
-            # grad_fn is attached above this dispatch level: resolve it at the next op
-            self._pending.extend((weakref.ref(t), stack, idx, t._version) for t in outs if t.is_floating_point())
-        return out
+
+    def _after_forward_op(self, func, args, kwargs, outs, idx: int, op: OpRecord) -> None:
+        """What a forward op leaves besides its outputs: the storages it wrote,
+        the parameters it read (and cast), the numbers it took in Tensor
+        slots, and its outputs' autograd nodes, resolved at the next op."""
+        if op.writes:
+            self._note_written(func, args, kwargs, idx)
+        self._note_param_use(func, args, outs)
+        if number_in_tensor_slot(func, args, kwargs):
+            self._number_args[idx] = saved_number_bytes(func, dtypes_key(args), dtypes_key(kwargs)) \
+                if writes_input(func) else 0
+        # grad_fn is attached above this dispatch level: resolve it at the next op
+        self._pending.extend((weakref.ref(t), op.stack, idx, t._version) for t in outs if t.is_floating_point())
+
+    def _note_written(self, func, args, kwargs, idx: int) -> None:
+        """An in-place forward op: the storages it wrote, with their producers."""
+        for t in written_tensors(func, args, kwargs):
+            r = self.record_of(t)
+            if r is not None:
+                if r.producer != idx and r.producer >= 0:
+                    r.writers.append(idx)
+                self.rec.written.setdefault(idx, []).append((r.producer, self.index_of(t), r.nbytes))
+            else:  # a tensor the trace never saw made (a global, say): made before any call
+                self.rec.written.setdefault(idx, []).append((-1, -1, 0))
 
     def _on_trace_device(self, args, kwargs):
         """The arguments with each real tensor of another device (labels a

@@ -24,9 +24,28 @@ class StorageRecord:
     saved_as_view: bool = False  # autograd saved a view of it, not the base tensor
 
 
+@dataclass(slots=True)
+class OpRecord:
+    """One op of the step as the recorder saw it; :meth:`Recording.add_op` files it."""
+
+    name: str  # the op's overload packet (``mm``, ``add_``)
+    phase: str  # forward | loss | backward | optimizer
+    stack: Stack  # the module stack it ran in (a backward op: its node's forward stack)
+    ms: float
+    flops: int
+    view: bool  # a view op, or one returning only tensors it was given (``_unsafe_view``)
+    random: bool  # draws from the RNG
+    writes: bool  # writes an input in place (and is not a view)
+    origin: int = -1  # a backward op: the forward event that made its autograd node
+
+
 @dataclass
 class Recording:
-    """Raw facts of one step; :mod:`autosac.trace.aggregate` turns them into ModelStats."""
+    """Raw facts of one step; :mod:`autosac.trace.aggregate` turns them into ModelStats.
+
+    The ops are kept by column (``ops[e]``, ``stacks[e]``, ``ms[e]`` ... for
+    event ``e``), as the aggregation reads them; :meth:`add_op` files one
+    :class:`OpRecord` into them."""
 
     ops: list[str] = field(default_factory=list)
     phases: list[str] = field(default_factory=list)
@@ -56,6 +75,21 @@ class Recording:
     # autosac.trace.routing); their number and sizes follow the routing assumed
     routed: set[int] = field(default_factory=set)
     routers: list = field(default_factory=list)  # the routing decisions the forward made (RouterCall)
+
+    def add_op(self, op: OpRecord) -> int:
+        """File ``op`` as the next event (one entry in each per-op column); return its index."""
+        idx = len(self.ops)
+        if op.origin >= 0:
+            self.origins[idx] = op.origin
+        self.ops.append(op.name)
+        self.phases.append(op.phase)
+        self.stacks.append(op.stack)
+        self.ms.append(op.ms)
+        self.flops.append(op.flops)
+        self.views.append(op.view)
+        self.random.append(op.random)
+        self.writes.append(op.writes)
+        return idx
 
 
 def common_prefix(a: Stack, b: Stack) -> Stack:
