@@ -12,8 +12,8 @@ import numpy as np
 
 from autosac.core.curves import exact_curve
 from autosac.core.stats import ModelStats, ModuleStats, SavedOp, Timeline
-from autosac.trace.recorder import StorageRecord, common_prefix
-from autosac.trace.step import TracedStep, stack_of
+from autosac.trace.recording import StorageRecord, common_prefix, stack_of
+from autosac.trace.step import TracedStep
 
 
 def _live_timeline(storages: list[StorageRecord], n: int, kind: str | None = None) -> np.ndarray:

@@ -99,3 +99,11 @@ def common_prefix(a: Stack, b: Stack) -> Stack:
             break
         n += 1
     return a[:n]
+
+
+def stack_of(fqn: str) -> tuple[str, ...]:
+    """The module stack of ``fqn``: root ``""`` first, then each enclosing module."""
+    if fqn == "":
+        return ("",)
+    parts = fqn.split(".")
+    return ("",) + tuple(".".join(parts[: i + 1]) for i in range(len(parts)))

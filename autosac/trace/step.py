@@ -4,6 +4,11 @@ The model's parameters and buffers are swapped for fake twins for the duration
 (real weights are never copied; ``meta`` models work), the optimizer is stepped
 once on zero gradients so its state exists as from the second step on, and then
 forward, loss, backward and the optimizer step run under a :class:`StepRecorder`.
+
+The fake twins are made in :mod:`autosac.trace.fakes`, the state the step
+finds (optimizer state, gradients and batches held) in
+:mod:`autosac.trace.step_state`, and a failing forward's error in
+:mod:`autosac.trace.step_errors`.
 """
 
 from __future__ import annotations
@@ -23,16 +28,26 @@ from autosac.core.devices import library_workspace_bytes
 from autosac.core.errors import NothingToCheckpointError, TraceError
 from autosac.core.inputs import split_inputs
 from autosac.core.integrations import caches_off
-from autosac.core.loop import output_tensors
 from autosac.core.optim import OptimizerSpec, default_loss, make_optimizer
 from autosac.core.pystate import capture
 from autosac.core.stats import ParamStats
 from autosac.trace.autocast import target_autocast
 from autosac.trace.costs import CostModel
 from autosac.trace.dispatch import TargetDispatch
-from autosac.trace.fake_kernels import FakeKernelError
-from autosac.trace.recorder import SMALL_NUMEL, Recording, StepRecorder, StorageRecord
+from autosac.trace.fakes import fake_parameters, trace_input
+from autosac.trace.recorder import StepRecorder
+from autosac.trace.recording import Recording, StorageRecord
 from autosac.trace.routing import BALANCED, Routing, RoutingTrace
+from autosac.trace.step_errors import ValueBranchError, first_line, run_forward
+from autosac.trace.step_state import (
+    drop_gradients,
+    hold_batches_ahead,
+    hold_gradients,
+    hold_previous_output,
+    init_optimizer_state,
+    track_new,
+    track_params,
+)
 
 
 @dataclass
@@ -43,41 +58,6 @@ class TracedStep:
     module_children: dict[str, list[str]]
     input_bytes: int
     buffer_bytes: int
-
-
-def _fake_like(t: torch.Tensor, requires_grad: bool, dtype: torch.dtype | None = None) -> torch.Tensor:
-    # Always on cpu: fake tensors hold no data, and one device keeps meta models,
-    # real-weight models and any kind of input compatible.
-    dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
-    fake = torch.empty_strided(t.shape, t.stride(), dtype=dtype, device="cpu")
-    return fake.requires_grad_(requires_grad) if requires_grad else fake
-
-
-@contextmanager
-def fake_parameters(model: nn.Module, mode: FakeTensorMode, param_dtype: torch.dtype | None = None):
-    """Swap every parameter and buffer for a fake twin (floating parameters in
-    ``param_dtype`` when given); tied ones stay tied; restored on exit."""
-    memo: dict[int, torch.Tensor] = {}
-    swapped: list[tuple[dict, str, torch.Tensor]] = []
-    try:
-        with mode:
-            for mod in model.modules():
-                for table in (mod._parameters, mod._buffers):
-                    for name, t in list(table.items()):
-                        if t is None:
-                            continue
-                        if id(t) not in memo:
-                            if isinstance(t, nn.Parameter):
-                                memo[id(t)] = nn.Parameter(_fake_like(t, False, param_dtype),
-                                                           requires_grad=t.requires_grad)
-                            else:
-                                memo[id(t)] = _fake_like(t, False)
-                        swapped.append((table, name, t))
-                        table[name] = memo[id(t)]
-        yield
-    finally:
-        for table, name, t in reversed(swapped):
-            table[name] = t
 
 
 def trace_step(
@@ -137,7 +117,7 @@ def trace_step(
     try:
         with _gc_paused(), _fake_tensor_log_quiet(), fake_parameters(model, mode, param_dtype), mode:
             # FSDP2's mixed precision casts floating inputs to param_dtype too
-            args, kwargs = tree_map(lambda x: _trace_input(x, param_dtype), (real_args, real_kwargs))
+            args, kwargs = tree_map(lambda x: trace_input(x, param_dtype), (real_args, real_kwargs))
             once = (model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast, runner, small_values,
                     output_held, grads_alive, batches_ahead)
             step = _trace_routed(once, routing, before)
@@ -149,10 +129,6 @@ def trace_step(
     if workspace:  # alive from before the step to after it, as every step finds it
         step.recording.storages.append(StorageRecord(workspace, "workspace", -1))
     return step
-
-
-class ValueBranchError(TraceError):
-    """The forward read a tensor's values, which a fake trace does not have."""
 
 
 def _trace_routed(once: tuple, routing: Routing | None, before) -> TracedStep:
@@ -234,17 +210,6 @@ class CompiledStepRecorder(StepRecorder):
         return True
 
 
-def _trace_input(x, dtype: torch.dtype | None = None):
-    """A fake twin of an example input -- except small integer and boolean
-    tensors on the cpu (token ids, masks, positions), which stay real so that
-    code reading their values branches as in the real step."""
-    if not isinstance(x, torch.Tensor):
-        return x
-    if x.device.type == "cpu" and not x.is_floating_point() and not x.is_complex() and x.numel() <= SMALL_NUMEL:
-        return x
-    return _fake_like(x, x.requires_grad, dtype)
-
-
 def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast=None,
                 compiled=None, small_values=True, output_held=True, grads_alive="", batches_ahead=0, routing=BALANCED,
                 route=True) -> TracedStep:
@@ -257,13 +222,13 @@ def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autoc
     recorder.routing = RoutingTrace(routing, active=route)
     recorder.device_type = cost_model.spec.device_type
     opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
-    _init_optimizer_state(model, opt)
-    params = _track_params(model, opt, recorder)
+    init_optimizer_state(model, opt)
+    params = track_params(model, opt, recorder)
     if grads_alive:
-        _hold_gradients(model, recorder)
-    buffer_bytes = _track_new(recorder, {id(b): b for b in model.buffers()}.values(), "buffer")
-    input_bytes = _track_new(recorder, tree_leaves((args, kwargs)), "input")
-    input_bytes += _hold_batches_ahead(recorder, input_bytes, batches_ahead)
+        hold_gradients(model, recorder)
+    buffer_bytes = track_new(recorder, {id(b): b for b in model.buffers()}.values(), "buffer")
+    input_bytes = track_new(recorder, tree_leaves((args, kwargs)), "input")
+    input_bytes += hold_batches_ahead(recorder, input_bytes, batches_ahead)
     hooks = []
     runner = model if compiled is None else compiled
     if compiled is None:  # compiled code runs no module hooks
@@ -276,11 +241,11 @@ def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autoc
         with caches_off(model), _as_on_target(cost_model.spec, autocast):  # forward and loss under autocast
             loss, out, forward_end = _forward_and_loss(runner, args, kwargs, loss_fn, recorder)
         if output_held:
-            _hold_previous_output(recorder, out, forward_end)
+            hold_previous_output(recorder, out, forward_end)
         else:
             del out
         if grads_alive == "forward":
-            _drop_gradients(model)
+            drop_gradients(model)
         _backward_and_update(model, loss, opt, recorder)
     finally:
         for h in hooks:
@@ -298,68 +263,12 @@ def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autoc
     return TracedStep(recording, params, module_types, module_children, input_bytes, buffer_bytes)
 
 
-def _track_params(model: nn.Module, opt, recorder: StepRecorder) -> dict[str, ParamStats]:
-    """Register each parameter (once, under its first owner) and its optimizer state."""
-    owners: dict[int, str] = {}
-    params: dict[str, ParamStats] = {}
-    for mod_fqn, mod in model.named_modules():
-        for pname, p in mod.named_parameters(recurse=False):
-            if id(p) in owners:
-                continue
-            owners[id(p)] = mod_fqn
-            fqn = f"{mod_fqn}.{pname}" if mod_fqn else pname
-            recorder.track_param(fqn, p, stack_of(mod_fqn))
-            for t in _state_tensors(opt, p):
-                recorder.track(t, "optim")
-            nbytes = p.numel() * p.element_size()
-            params[fqn] = ParamStats(
-                fqn, mod_fqn, list(p.shape), str(p.dtype).removeprefix("torch."), nbytes,
-                p.requires_grad, nbytes if p.requires_grad else 0, _state_bytes(opt, p), [],
-            )
-    return params
-
-
-def _hold_gradients(model: nn.Module, recorder: StepRecorder) -> None:
-    """Gradient accumulation: the gradients the micro-batches before left,
-    alive from the step's start; the backward adds into them in place."""
-    for p in {id(p): p for p in model.parameters()}.values():
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
-            recorder.track(p.grad, "grad")
-
-
-def _hold_batches_ahead(recorder: StepRecorder, input_bytes: int, n: int) -> int:
-    """Batches a data loader fetched ahead (accelerate's holds the next one
-    while the step runs): ``n`` more inputs' worth of bytes, alive throughout,
-    as one record each; returns the bytes added."""
-    for _ in range(n):
-        if input_bytes:
-            recorder.rec.storages.append(StorageRecord(input_bytes, "input", -1))
-    return n * input_bytes
-
-
-def _drop_gradients(model: nn.Module) -> None:
-    """``zero_grad()`` between the loss and the backward: the gradients go
-    (the recorder marks each freed at the current op)."""
-    for p in model.parameters():
-        p.grad = None
-
-
-def _track_new(recorder: StepRecorder, tensors, kind: str) -> int:
-    """Register the storages of ``tensors`` not yet known as ``kind``; return their bytes."""
-    total = 0
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and recorder.record_of(t) is None:
-            total += recorder.rec.storages[recorder.track(t, kind)].nbytes
-    return total
-
-
 def _forward_and_loss(model, args, kwargs, loss_fn, recorder: StepRecorder):
     """Run forward and loss; return the loss, the model's output and the event
     at which the forward returned."""
     with recorder, torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
         recorder.phase = "forward"
-        out = _run_forward(model, args, kwargs, recorder)
+        out = run_forward(model, args, kwargs, recorder)
         forward_end = len(recorder.rec.ops)
         recorder.phase = "loss"
         try:
@@ -375,28 +284,13 @@ def _forward_and_loss(model, args, kwargs, loss_fn, recorder: StepRecorder):
     return loss, out, forward_end
 
 
-def _hold_previous_output(recorder: StepRecorder, out, forward_end: int) -> None:
-    """The previous step's output, alive in the loop's variable from the step's
-    start until this step's forward returns (:mod:`autosac.core.loop`): one record,
-    kind ``"output"``, per storage the forward made for its output."""
-    seen: set[int] = set()
-    for t in output_tensors(out):
-        i = recorder.index_of(t)
-        if i is None or i in seen:
-            continue
-        seen.add(i)
-        r = recorder.rec.storages[i]
-        if r.created >= 0 and r.nbytes > 0:  # made by this step, as the previous step made its own
-            recorder.rec.storages.append(StorageRecord(r.nbytes, "output", -1, freed=forward_end))
-
-
 def _backward_and_update(model, loss, opt, recorder: StepRecorder) -> None:
     with recorder:
         recorder.phase = "backward"
         try:
             loss.backward()
         except Exception as e:
-            raise TraceError(f"the backward pass raised {type(e).__name__}: {_first_line(e)}") from None
+            raise TraceError(f"the backward pass raised {type(e).__name__}: {first_line(e)}") from None
         del loss
         recorder.phase = "optimizer"
         for p in model.parameters():
@@ -409,20 +303,7 @@ def _backward_and_update(model, loss, opt, recorder: StepRecorder) -> None:
             else:
                 model.zero_grad(set_to_none=True)
         except Exception as e:
-            raise TraceError(f"the optimizer step raised {type(e).__name__}: {_first_line(e)}") from None
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else ""
-
-
-def stack_of(fqn: str) -> tuple[str, ...]:
-    """The module stack of ``fqn``: root ``""`` first, then each enclosing module."""
-    if fqn == "":
-        return ("",)
-    parts = fqn.split(".")
-    return ("",) + tuple(".".join(parts[: i + 1]) for i in range(len(parts)))
+            raise TraceError(f"the optimizer step raised {type(e).__name__}: {first_line(e)}") from None
 
 
 def _pre_hook(recorder: StepRecorder, fqn: str):
@@ -454,90 +335,3 @@ def _unique_bytes(tree) -> int:
             st = t.untyped_storage()
             seen[id(st)] = st.nbytes()
     return sum(seen.values())
-
-
-def _run_forward(model: nn.Module, args: tuple, kwargs: dict, recorder: StepRecorder):
-    try:
-        return model(*args, **kwargs)
-    except TraceError:
-        raise
-    except Exception as e:
-        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):  # the compiled step (trace/compiled.py)
-            cause = getattr(e, "inner_exception", None) or e  # a backend's own error, not Dynamo's wrapper
-            first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
-            raise TraceError(f"torch.compile of {type(model._orig_mod).__name__} failed while tracing the step: "
-                             f"{type(cause).__name__}: {first}") from None
-        where = recorder.stack[-1] if recorder.stack else None
-        if where is None or (where == "" and isinstance(e, TypeError) and len(recorder.rec.ops) == 0):
-            raise TraceError(
-                f"example_inputs do not fit {type(model).__name__}.forward: {type(e).__name__}: {e}"
-            ) from None
-        name = where or "(root)"
-        mod = model.get_submodule(where) if where else model
-        if recorder.random_branch:
-            raise ValueBranchError(
-                f"forward of module '{name}' ({type(mod).__name__}) branches on a random draw ({e}), as LayerDrop "
-                "skips layers by chance, which a trace cannot follow: plan with it off (transformers: "
-                "config.layerdrop=0.0) and train with it on: a step that skips layers does less than the plan's"
-            ) from None
-        if type(e).__name__ in ("DataDependentOutputException", "DynamicOutputShapeException"):
-            raise ValueBranchError(
-                f"forward of module '{name}' ({type(mod).__name__}) branches on tensor values ({e}), "
-                "which a fake-mode trace cannot see: trace with inputs that take the usual branch "
-                "behind a Python flag, or make the branch depend on shapes only"
-            ) from None
-        if isinstance(e, FakeKernelError) and e.real == "untried":
-            raise TraceError(
-                f"forward of module '{name}' ({type(mod).__name__}): PyTorch's fake kernel for {e.op} raised {e}; "
-                "its inputs are too large to try the real kernel on -- if the model trains with these "
-                "example_inputs, plan at a smaller batch or sequence to see whether the real kernel takes them"
-            ) from None
-        first = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else ""
-        kind = "" if isinstance(e, FakeKernelError) else f"{type(e).__name__}: "
-        where = f" in {e.op} (its real kernel refuses them{'' if e.real == 'refused' else ' too'})" \
-            if isinstance(e, FakeKernelError) else ""
-        raise TraceError(
-            f"forward of module '{name}' ({type(mod).__name__}) raised {kind}{first}{where}"
-            " -- check that example_inputs fit the model"
-        ) from None
-
-
-def _state_tensors(opt, p) -> list[torch.Tensor]:
-    if opt is None:
-        return []
-    return [v for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
-
-
-def _state_bytes(opt, p) -> int:
-    return sum(t.untyped_storage().nbytes() for t in _state_tensors(opt, p))
-
-
-def _init_optimizer_state(model: nn.Module, opt) -> None:
-    """Give the optimizer the state it has from the second step on.
-
-    Adam/AdamW (without amsgrad) and momentum SGD get their state tensors made
-    directly, as their first step makes them; any other optimizer takes one
-    update on zero gradients (slower in fake mode: foreach ops over every param).
-    """
-    if opt is None:
-        return
-    kind = type(opt)
-    if kind in (torch.optim.Adam, torch.optim.AdamW) and not any(g["amsgrad"] for g in opt.param_groups):
-        for g in opt.param_groups:
-            for p in g["params"]:
-                opt.state[p] = {
-                    "step": torch.tensor(1.0, dtype=torch.float32),
-                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-                }
-        return
-    if kind is torch.optim.SGD and all(g["momentum"] for g in opt.param_groups):
-        for g in opt.param_groups:
-            for p in g["params"]:
-                opt.state[p] = {"momentum_buffer": torch.zeros_like(p)}
-        return
-    for p in model.parameters():
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
