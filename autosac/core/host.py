@@ -14,10 +14,11 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-CACHE_KEY = "host-costs-v12"  # bump when the micro-benchmark changes (v12: a large size too, autosac.core.hostsize)
+CACHE_KEY = "host-costs-v13"  # bump when the micro-benchmark changes (v12: a large size too, autosac.core.hostsize;
+# v13: cold_read_us_per_mib, autosac.core.coldread)
 _FIELDS = ("op_us", "checkpoint_call_us", "saved_tensor_us", "selective_op_us", "untimed_op_us", "backward_op_us",
            "backward_untimed_us", "small_op_bytes", "large_op_bytes", "untimed_us_per_mib", "backward_untimed_us_per_mib",
-           "selective_us_per_mib")
+           "selective_us_per_mib", "cold_read_us_per_mib")
 _SIGNED = ("backward_untimed_us",)
 _PER_OP = ("op_us", "selective_op_us", "untimed_op_us", "backward_op_us", "backward_untimed_us")
 NOISY_KEY = f"{CACHE_KEY}:noisy_until"  # 0: measured clean; else when the noisy figures expire (epoch seconds)
@@ -47,6 +48,9 @@ class HostCosts:
     untimed_us_per_mib: float = 0.0
     backward_untimed_us_per_mib: float = 0.0
     selective_us_per_mib: float = 0.0
+    # CPU kernels: what a foreach op (an optimizer's) adds per MiB it reads that the op before
+    # it did not touch (autosac.core.coldread; 0: none measured)
+    cold_read_us_per_mib: float = 0.0
 
     def size_us(self, nbytes: float, us_per_mib: float) -> float:
         """What an op making ``nbytes`` adds to a per-op figure (:func:`autosac.core.hostsize.extra_us`)."""

@@ -267,7 +267,59 @@ def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, r
         reasons.append(f"{', '.join(got.disagreeing)} varied by more than {TOLERANCE:.0%} between rounds")
     if got.share < MIN_SHARE:
         reasons.append(f"the measuring thread had {got.share:.0%} of a core")
-    return Measured(HostCosts(**got.figures), tuple(reasons), got.rounds)
+    figures = dict(got.figures)
+    if figures.get("large_op_bytes"):
+        figures["cold_read_us_per_mib"] = _cold_read_us_per_mib(figures["small_op_bytes"], figures["large_op_bytes"])
+    return Measured(HostCosts(**figures), tuple(reasons), got.rounds)
+
+
+def _cold_read_us_per_mib(small: float, large: float, tensors: int = 16, numel: int = 128 << 10,
+                          rounds: int = 9) -> float:
+    """``cold_read_us_per_mib`` (:mod:`autosac.core.coldread`): a real AdamW
+    step over ``tensors`` parameters of ``numel`` floats (8 MiB), timed after
+    writing a 128 MiB buffer (as a step's forward and backward pass through
+    the caches: at width 256 they write 80-145 MiB here, the built-in Llama
+    and transformers Qwen3) against run back to back (as the op timings call the ops),
+    per share-weighted MiB :class:`autosac.core.coldread.ColdReads` counts in
+    the ops it calls; medians of ``rounds``."""
+    import statistics
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autosac.core.coldread import ColdReads
+    from autosac.core.hostsize import MIB
+    from autosac.core.optim import make_optimizer
+
+    params = [nn.Parameter(torch.rand(numel)) for _ in range(tensors)]
+    opt = make_optimizer("adamw", params)
+    evict = torch.empty(128 * MIB, dtype=torch.uint8)
+    counted = ColdReads()
+    mib = [0.0]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            mib[0] += counted.mib(func, args, kwargs or {}, out, small, large)
+            return out
+
+    def step(cold: bool) -> float:
+        for p in params:
+            p.grad = torch.rand_like(p)
+        if cold:
+            evict.fill_(1)
+        t = time.thread_time()
+        opt.step()
+        return time.thread_time() - t
+
+    step(False)
+    with Count():
+        step(False)
+    cold, hot = [], []
+    for _ in range(rounds):
+        cold.append(step(True))
+        hot.append(min(step(False) for _ in range(3)))
+    extra_us = (statistics.median(cold) - statistics.median(hot)) * 1e6
+    return round(max(0.0, extra_us / mib[0]), 3) if mib[0] > 0 else 0.0
 
 
 def _estimate(models: dict, taken: list[dict]) -> dict[str, float]:

@@ -16,6 +16,7 @@ import torch
 from torch.utils import flop_counter
 from torch.utils._pytree import tree_leaves, tree_map
 
+from autosac.core.coldread import ColdReads
 from autosac.core.devices import DeviceSpec
 from autosac.core.host import host_costs
 from autosac.core.hostsize import made_bytes
@@ -247,13 +248,23 @@ class CostModel:
         self.cpu_size_cap_bytes = cpu_size_cap_bytes
         self.unknown_ops: set[str] = set()
         self._timings = TimingCache() if spec.measured else None
+        # an optimizer's foreach ops read lists the step let go cold (autosac.core.coldread)
+        self._cold = ColdReads()
 
     def op_ms(self, func, args, kwargs, out, backward: bool = False) -> tuple[float, int]:
         """(milliseconds, FLOPs) of one op call on the target, the host's
         dispatch included (:meth:`with_host`); a view's is only that.
         ``backward``: called by the autograd engine (less host time)."""
         ms, flops = self._kernel_ms(func, args, kwargs, out)
-        return self.with_host(ms, backward, made_bytes(func, args, kwargs, out)), flops
+        return self.with_host(ms, backward, made_bytes(func, args, kwargs, out)) + self._cold_ms(func, args, kwargs,
+                                                                                                 out), flops
+
+    def _cold_ms(self, func, args, kwargs, out) -> float:
+        """What a foreach op's cold reads add where its kernel was timed on this CPU (:mod:`autosac.core.coldread`)."""
+        if self.spec.device_type != "cpu" or not self.spec.measured or not self.host.cold_read_us_per_mib:
+            return 0.0
+        h = self.host
+        return self._cold.mib(func, args, kwargs, out, h.small_op_bytes, h.large_op_bytes) * h.cold_read_us_per_mib / 1e3
 
     def with_host(self, kernel_ms: float, backward: bool = False, nbytes: int = 0) -> float:
         """An op call's time with the host's (:meth:`autosac.core.host.HostCosts.op_ms`):
