@@ -212,16 +212,21 @@ def _call_bw_windows(rec, fqn: str, windows: list, times: _Times) -> list[list[i
     return spans
 
 
-def _module_stats(step: TracedStep, live: np.ndarray, times: _Times, saved: _Saved) -> dict[str, ModuleStats]:
-    rec = step.recording
+def _hook_orders(rec, times: _Times) -> tuple[dict[str, int], ...]:
+    """Each module's place in the order of the forward's pre-hooks and
+    post-hooks (first call) and of the backward's first and last ops."""
     fw_pre: dict[str, int] = {}
     for i, fqn in enumerate(rec.fw_pre_order):
         fw_pre.setdefault(fqn, i)
     fw_post: dict[str, int] = {}
     for i, fqn in enumerate(rec.fw_post_order):
         fw_post.setdefault(fqn, i)
-    fw_pre_pos, fw_post_pos = _order(fw_pre), _order(fw_post)
-    bw_pre_pos, bw_post_pos = _order(times.bw_first), _order(times.bw_last)
+    return _order(fw_pre), _order(fw_post), _order(times.bw_first), _order(times.bw_last)
+
+
+def _module_stats(step: TracedStep, live: np.ndarray, times: _Times, saved: _Saved) -> dict[str, ModuleStats]:
+    rec = step.recording
+    fw_pre_pos, fw_post_pos, bw_pre_pos, bw_post_pos = _hook_orders(rec, times)
     parent_of = {c: p for p, cs in step.module_children.items() for c in cs}
     param_own: dict[str, list] = defaultdict(list)
     for ps in step.params.values():
