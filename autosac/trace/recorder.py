@@ -9,7 +9,12 @@ Three observers feed one :class:`Recording`:
 
 Backward ops are attributed to the module whose forward created their autograd
 node: forward outputs' ``grad_fn`` sequence numbers are mapped to the module
-stack of the op that produced them.
+stack of the op that produced them (:mod:`autosac.trace.nodes`).
+
+Each op becomes one :class:`~autosac.trace.recording.OpRecord`, filed into the
+recording's per-op columns.  How an op runs (fake, or for real when small) is
+:mod:`autosac.trace.execution`; the real-kernel probes for scratch memory and
+output sizes are :mod:`autosac.trace.probes`.
 """
 
 from __future__ import annotations
