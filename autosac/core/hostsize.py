@@ -15,7 +15,8 @@ short and selective plans' overheads 3-7 points low
 :func:`autosac.tools.calibrate.calibrate` therefore runs its micro-benchmark at two
 sizes: the small one gives the host figures, the large one how much more
 an op costs per MiB it makes (:func:`extra_us`; an op writing in place
-makes nothing: AdamW's foreach ops are priced as timed).  An op
+makes nothing: AdamW's foreach ops pay for what they read cold instead,
+:mod:`autosac.core.coldread`).  An op
 between the two sizes pays a share of that, by the logarithm of its bytes
 (:func:`share`); ops no larger than the small calibration's pay nothing
 more.  Each figure is fitted so that the large calibration model is priced

@@ -35,6 +35,9 @@ own, whatever the kernels cost:
   ``selective_us_per_mib`` (with ``small_op_bytes`` and ``large_op_bytes``):
   where the kernels run on this CPU, what an op making large data adds to
   the three figures above per MiB it makes (:mod:`autosac.core.hostsize`).
+* ``cold_read_us_per_mib``: where the kernels run on this CPU, what an
+  optimizer's foreach op adds per MiB it reads that the foreach op before it
+  did not touch (:mod:`autosac.core.coldread`).
 
 :func:`calibrate` measures them on this machine with a micro-benchmark
 (small transformer blocks run plain, with each forward run twice,
