@@ -12,7 +12,9 @@ GPT-2 at small configs (gpt2 at world size 4).
     python benchmarks/same_stats.py                 # HEAD against the working tree
     python benchmarks/same_stats.py 09c1ceb HEAD    # two commits
 
-Exit status 1 when any file differs.
+Exit status 1 when any file differs.  The cpu-target profiles read the host
+timing cache (``~/.cache/autosac/cpu-timings-*.json``), which measuring runs
+grow: compare versions side by side, as here, not against files saved earlier.
 """
 
 from __future__ import annotations
