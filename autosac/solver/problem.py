@@ -334,16 +334,17 @@ def _mechanism(stats: ModelStats, m, window, n_items: int, picks: list[int], hos
 def _warm_ms(stats: ModelStats, window, host: HostCosts) -> float:
     """What a plainly checkpointed call saves, in each of its two forwards, of
     the host's per-MiB extra its ops were priced with (:mod:`autosac.core.hostsize`;
-    a CPU target's): the checkpointed forward keeps none of its activations and
-    the re-run's are freed by the backward right after, so their outputs land in
-    memory just freed, still in the caches, not in the cold memory an unmodified
-    forward keeps filling.  Measured on zoo-gemma2 (width 64), four layers
+    a CPU target's): the outputs the unmodified forward saves for the backward
+    fill fresh, cold memory; the checkpointed forward keeps none of them and the
+    re-run's are freed by the backward right after, so they land in memory just
+    freed, still in the caches.  Only the saved ops' extra: a temporary lands in
+    freed memory either way.  Measured on zoo-gemma2 (width 64), four layers
     checkpointed: machinery 4.68 ms priced at full extras, 1.05 measured."""
     if stats.target.get("device_type") != "cpu" or not stats.target.get("measured") or not host.untimed_us_per_mib:
         return 0.0
-    tl = stats.timeline
-    made = tl.made_bytes[window[0] : window[1]]
-    return sum(host.size_us(b, host.untimed_us_per_mib) for b in made) / 1e3
+    made = stats.timeline.made_bytes
+    saved = {op.event for op in stats.saved_ops if window[0] <= op.event < window[1]}
+    return sum(host.size_us(made[e], host.untimed_us_per_mib) for e in saved) / 1e3
 
 
 def _written_after_read(stats: ModelStats, window) -> set[int]:
