@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from autosac.core.budget import is_least
 from autosac.core.devices import resolve_target
 from autosac.core.plan import Plan
 from autosac.core.stats import ModelStats
@@ -86,19 +85,13 @@ def solve(
     """
     check_solve_options(solver, time_limit_s)  # before the profile, which may take a while
     if compile is not None:
-        from autosac.compile.fit import check_backend, check_setting
+        from autosac.compile.fit import check_request
 
-        check_backend(compile)
-        if is_least(budget):
-            raise ValueError("under torch.compile give the budget as a size or a percentage: 'least' is the least "
-                             "eager peak, which the compiled step need not reach")
+        check_request(compile, budget, resolve_target(target).device_type, world_size, autocast is not None,
+                      default_loop=grad_accumulation == 1 and zero_grad == "after_step" and not batches_ahead)
         if not hasattr(model_or_stats, "named_modules"):
             raise ValueError("solve(..., compile=...) traces the compiled step: pass the model and example_inputs, "
                              "not stats")
-        check_setting(resolve_target(target).device_type, world_size, autocast is not None)
-        if grad_accumulation != 1 or zero_grad != "after_step" or batches_ahead:
-            raise ValueError("solve(..., compile=...) plans the default loop under torch.compile: leave "
-                             "grad_accumulation at 1, zero_grad at 'after_step' and batches_ahead at 0")
     if isinstance(model_or_stats, ModelStats):
         stats = model_or_stats
     elif not hasattr(model_or_stats, "named_modules"):

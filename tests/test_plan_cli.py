@@ -266,6 +266,10 @@ def test_the_console_entry_point_reports_a_mistake_in_one_line():
           "--target", "cpu"], r"one process \(world_size=1\)"),
         (["plan", "--budget", "50%", "--model", "gpt-tiny", "--compile", "tensorrt", "--target", "cpu"],
          "compile= must be one of 'inductor', 'aot_eager'"),
+        (["plan", "--budget", "least", "--model", "gpt-tiny", "--compile", "aot_eager", "--target", "cpu"],
+         "under torch.compile give the budget as a size or a percentage"),
+        (["plan", "--budget", "50%", "--model", "gpt-tiny", "--compile", "aot_eager", "--target", "cpu",
+          "--grad-accumulation", "2"], "traced for the default loop: leave grad_accumulation at 1"),
     ],
 )
 def test_cli_mistakes_found_before_any_work_are_one_line(argv, match, capsys):

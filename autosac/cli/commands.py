@@ -182,10 +182,11 @@ def cmd_plan(args) -> int:
     if not is_least(args.budget):
         parse_budget(args.budget, 1 << 60)  # reject a malformed budget before the profile runs
     if args.compile:
-        from autosac.compile.fit import check_backend, check_setting, fit_for_compile
+        from autosac.compile.fit import check_request, fit_for_compile
 
-        check_backend(args.compile)
-        check_setting(autosac.core.devices.resolve_target(args.target).device_type, args.world_size, bool(args.autocast))
+        check_request(args.compile, args.budget, autosac.core.devices.resolve_target(args.target).device_type,
+                      args.world_size, bool(args.autocast),
+                      default_loop=args.grad_accumulation == 1 and args.zero_grad == "after_step")
     stats, model, inputs = _profile(args)
     if args.compile:
         with _Progress(args.quiet).stage(f"fitting a plan for {args.budget} to the compiled step"):

@@ -33,7 +33,7 @@ from autosac.core.stats import ModelStats
 from autosac.solver import solve_stats, usable_budget
 from autosac.solver.problem import build_problem
 
-__all__ = ["fit_for_compile", "fused_recompute_costs", "check_backend", "check_stats", "check_setting",
+__all__ = ["fit_for_compile", "fused_recompute_costs", "check_backend", "check_request", "check_stats", "check_setting",
            "COMPILE_BACKENDS", "MAX_ROUNDS"]
 
 COMPILE_BACKENDS = ("inductor", "aot_eager")  # backends whose compiled step is traced (trace/compiled.py)
@@ -206,6 +206,24 @@ def check_backend(backend) -> None:
 def check_stats(stats: ModelStats) -> None:
     """Raises ValueError unless the profile is one compiled plans can be traced for."""
     check_setting(stats.target.get("device_type"), stats.world_size, bool(stats.autocast))
+
+
+def check_request(backend, budget, device_type: str | None, world_size: int, autocast: bool,
+                  default_loop: bool = True) -> None:
+    """Raises ValueError unless a plan for ``torch.compile(backend=backend)``
+    can be fitted for this request -- before anything is profiled.
+    ``default_loop``: the training loop is the default one (no gradient
+    accumulation, ``zero_grad`` after the step, no batches held ahead), the
+    only one a compiled step is traced for.  :func:`autosac.solve` and the
+    CLI's ``plan --compile`` both ask here."""
+    check_backend(backend)
+    if is_least(budget):
+        raise ValueError("under torch.compile give the budget as a size or a percentage: 'least' is the least "
+                         "eager peak, which the compiled step need not reach")
+    check_setting(device_type, world_size, autocast)
+    if not default_loop:
+        raise ValueError("plans for torch.compile are traced for the default loop: leave grad_accumulation at 1, "
+                         "zero_grad at 'after_step' and batches_ahead at 0")
 
 
 def check_setting(device_type: str | None, world_size: int, autocast: bool) -> None:
