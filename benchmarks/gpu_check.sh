@@ -34,7 +34,7 @@ if ! python3 -c "import pulp" 2>/dev/null && compgen -G ".whl/*.whl" > /dev/null
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
-python3 -c "import torch, platform, datetime; print(datetime.date.today(), torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA DEVICE', 'torch', torch.__version__, 'python', platform.python_version())" > "$DIR/summary.txt" 2>&1
+python3 -c "import torch, platform, datetime, inspect, torch.utils.checkpoint as c; print(datetime.date.today(), torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA DEVICE', 'torch', torch.__version__, 'python', platform.python_version()); print('checkpoint policy context gets op_output (compiled plans match calls by data flow):', 'op_output' in inspect.signature(c.SelectiveCheckpointContext.__init__).parameters)" > "$DIR/summary.txt" 2>&1
 cat "$DIR/summary.txt"
 
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, and note the outcome
