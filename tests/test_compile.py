@@ -9,15 +9,9 @@ import torch
 from suite import A100_CPU_KERNELS  # an A100's op times, the CPU's kernels: plans free of timing noise
 
 import autosac
-from autosac.applier.compiled import save_keys
 from autosac.models import build_model
 
 CFG = dict(n_layer=2, dim=64, n_head=4, seq=256, vocab=128, dropout=0.0)
-
-
-def test_saved_calls_are_named_by_op_and_occurrence():
-    calls = [("mm", ()), ("relu", ()), ("mm", ()), ("view", ()), ("mm", ())]
-    assert save_keys(calls, frozenset({2, 3})) == (("mm", 1), ("view", 0))
 
 
 def test_a_planned_model_compiles_whole_and_keeps_its_gradients(monkeypatch):

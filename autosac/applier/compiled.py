@@ -12,8 +12,9 @@ is ``MUST_SAVE``, every other op ``MUST_RECOMPUTE`` -- parameter casts and
 calls the eager step never made included -- except ops that draw random
 numbers (dropout), always ``MUST_SAVE``: a recompute would draw others.  A
 call the plan never made but that reads one plan call's result alone (a copy)
-stands for that result in what later calls read.  On a torch whose policy
-does not see op outputs, calls are matched by op name and occurrence.  The
+stands for that result in what later calls read.  Before torch 2.13 the
+policy is not given a call's output; it takes it from the store the two
+contexts share, where the forward context puts every output under compile.  The
 policy is built from plain tuples so Dynamo can take the
 ``functools.partial`` holding it as a constant.
 
@@ -26,25 +27,21 @@ Example::
 from __future__ import annotations
 
 import functools
+import inspect
 from collections import deque
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils._pytree import tree_map
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    create_selective_checkpoint_contexts,
+)
 
 from autosac.core.dataflow import DataflowTracker
 from autosac.core.opkinds import op_kind
 
-
-def save_keys(calls: list[tuple[str, tuple[int, ...]]], save: frozenset[int]) -> tuple[tuple[str, int], ...]:
-    """The saved calls as (op name, occurrence among calls of that op)."""
-    seen: dict[str, int] = {}
-    keys = []
-    for i, (name, _) in enumerate(calls):
-        occurrence = seen.get(name, 0)
-        seen[name] = occurrence + 1
-        if i in save:
-            keys.append((name, occurrence))
-    return tuple(keys)
+_POLICY_SEES_OUTPUTS = "op_output" in inspect.signature(SelectiveCheckpointContext.__init__).parameters
 
 
 class CallMatcher:
@@ -55,6 +52,7 @@ class CallMatcher:
     def __init__(self, calls: tuple[tuple[str, tuple[int, ...]], ...]) -> None:
         self.flow = DataflowTracker()
         self.n = 0  # compiled calls seen
+        self.running: tuple = (None, None, (), {})  # the call matched last, until its output is known
         self.plan_call: dict[int, int | None] = {}  # compiled call -> the plan call it is (or stands for)
         self.waiting: dict[tuple[str, tuple[int, ...]], deque[int]] = {}
         for i, (name, deps) in enumerate(calls):
@@ -64,12 +62,13 @@ class CallMatcher:
         read = {d for _, deps in calls for d in deps}
         self.stands_for = {i: deps[0] for i, (_, deps) in enumerate(calls) if len(deps) == 1 and i not in read}
 
-    def match(self, func, args, kwargs, out) -> int | None:
-        """The plan call this compiled call (which has run, giving ``out``) is, or None."""
+    def match(self, func, args, kwargs) -> int | None:
+        """The plan call this compiled call is, or None; :meth:`produced`
+        takes its output once it has run."""
         c = self.n
         self.n = c + 1
         read = self.flow.reads(args, kwargs)
-        self.flow.record(c, func, args, kwargs, out)
+        self.running = (c, func, args, kwargs)
         mapped = sorted({self.plan_call.get(d) for d in read} - {None})
         unknown = any(self.plan_call.get(d) is None for d in read)
         queue = None if unknown else self.waiting.get((_name(func), tuple(mapped)))
@@ -81,6 +80,11 @@ class CallMatcher:
         self.plan_call[c] = mapped[0] if len(mapped) == 1 and not unknown else None
         return None
 
+    def produced(self, out) -> None:
+        """The output of the call :meth:`match` took last."""
+        c, func, args, kwargs = self.running
+        self.flow.record(c, func, args, kwargs, out)
+
 
 def _name(func) -> str:
     return getattr(func, "overloadpacket", func).__name__
@@ -90,26 +94,63 @@ def compiled_contexts(calls: tuple[tuple[str, tuple[int, ...]], ...], save: froz
     """Selective-checkpoint contexts whose policy saves exactly the compiled
     calls that match ``calls`` at an index in ``save``."""
     save = frozenset(save)
-    wanted = frozenset(save_keys(list(calls), save))
     matchers: dict[bool, CallMatcher] = {}
-    counts: dict[tuple[bool, str], int] = {}
+    running: list = []  # torch without op_output: the matcher whose call's output comes next
 
     def policy(ctx, func, *args, **kwargs):
+        matcher = matchers.get(ctx.is_recompute)
+        if matcher is None:
+            matcher = matchers[ctx.is_recompute] = CallMatcher(calls)
+        i = matcher.match(func, args, kwargs)
+        if _POLICY_SEES_OUTPUTS:
+            matcher.produced(ctx.op_output)
+        else:  # the output comes when the contexts store it (_see_outputs)
+            running[:] = [matcher]
         if isinstance(func, torch._ops.OpOverload) and op_kind(func).random:
             return CheckpointPolicy.MUST_SAVE  # a replay would draw other numbers
-        if hasattr(ctx, "op_output"):
-            matcher = matchers.get(ctx.is_recompute)
-            if matcher is None:
-                matcher = matchers[ctx.is_recompute] = CallMatcher(calls)
-            i = matcher.match(func, args, kwargs, ctx.op_output)
-            return CheckpointPolicy.MUST_SAVE if i is not None and i in save else CheckpointPolicy.MUST_RECOMPUTE
-        name = _name(func)  # a torch whose policy sees no outputs: by name and occurrence
-        key = (ctx.is_recompute, name)
-        occurrence = counts.get(key, 0)
-        counts[key] = occurrence + 1
-        return CheckpointPolicy.MUST_SAVE if (name, occurrence) in wanted else CheckpointPolicy.MUST_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if i is not None and i in save else CheckpointPolicy.MUST_RECOMPUTE
 
-    return create_selective_checkpoint_contexts(policy)
+    contexts = create_selective_checkpoint_contexts(policy)
+    if not _POLICY_SEES_OUTPUTS:
+        _see_outputs(contexts, running)
+    return contexts
+
+
+class _Outputs(dict):
+    """The store the two selective-checkpoint contexts share (a dict of
+    lists by op), which hands each output stored to the matcher whose call
+    made it: under compile the forward context stores every call's output
+    right after asking the policy about it."""
+
+    def __init__(self, running: list) -> None:
+        super().__init__()
+        self.running = running
+
+    def __missing__(self, func):
+        self[func] = stored = _Stored(self.running)
+        return stored
+
+
+class _Stored(list):
+    def __init__(self, running: list) -> None:
+        super().__init__()
+        self.running = running
+
+    def append(self, entry) -> None:
+        super().append(entry)
+        if self.running:
+            self.running.pop().produced(tree_map(lambda w: getattr(w, "val", w), entry))
+
+
+def _see_outputs(contexts, running: list) -> None:
+    """On a torch whose policy is not given op outputs (before 2.13): have
+    the contexts' shared store pass each stored output to the matcher."""
+    store = _Outputs(running)
+    for mode in contexts:
+        if not isinstance(getattr(mode, "storage", None), dict):
+            raise RuntimeError("autosac: this torch's selective checkpointing keeps no output store; "
+                               "upgrade torch to 2.13 or newer to compile checkpointed modules")
+        mode.storage = store
 
 
 def compiled_context_fn(calls: list[tuple[str, tuple[int, ...]]], save: frozenset[int]):

@@ -198,7 +198,8 @@ def _checkpointed_forward(self, own, policy, *args, **kwargs):
     # the instance had before apply, or None for its class's.  Under
     # torch.compile the module is one traced region whose ops carry the
     # decision (autosac.applier.compiled).
-    original = own if own is not None else type(self).forward.__get__(self)
+    # a partial, not ``forward.__get__``: Dynamo before torch 2.13 breaks the graph at ``__get__``
+    original = own if own is not None else functools.partial(type(self).forward, self)
     if not torch.is_grad_enabled() or self.__dict__.get(POLICY) is not policy:
         return original(*args, **kwargs)  # no grad, or unapplied (then applied again) since
     if torch.compiler.is_compiling():  # one traced region; its decision as recompute tags
