@@ -124,6 +124,36 @@ def test_the_memory_aware_backend_reorders_forward_and_backward_with_the_same_gr
         assert torch.equal(p.grad, q.grad), name
 
 
+def test_with_dropout_every_compiled_matmul_takes_the_plans_decision(monkeypatch):
+    """Compiled dropout is one ``native_dropout`` where the CPU's eager step
+    made four calls (``empty_like``, ``bernoulli_``, ``div_``, ``mul``): the
+    calls after it are matched to the plan's again.  Before, none after the
+    first dropout of a region was: all were recomputed, whatever the plan
+    saved (an extra ``bmm`` and ``addmm`` per attention block).  (torch 2.11
+    also asks the policy in a pass that tags nothing, with outputs unseen.)"""
+    from autosac.applier import compiled as compiled_path
+
+    matched = []
+    real = compiled_path.CallMatcher.match
+
+    def recording(self, func, args, kwargs):
+        i = real(self, func, args, kwargs)
+        if torch.utils.checkpoint._is_compiling(func, args, kwargs):  # a pass whose decisions become tags
+            matched.append((compiled_path._name(func), i))
+        return i
+
+    monkeypatch.setattr(compiled_path.CallMatcher, "match", recording)
+    torch.manual_seed(0)
+    model, idx = build_model("gpt2", device="cpu", batch=2, **{**CFG, "dropout": 0.1})
+    plan = autosac.solve(autosac.profile(model, idx, optimizer="sgd", target="cpu"), "80%")
+    assert any(name.endswith("attn") for name in plan.decisions)
+    autosac.apply(model, plan)
+    torch._dynamo.reset()
+    torch.compile(model, backend="aot_eager")(idx).float().sum().backward()
+    matmuls = [(name, i) for name, i in matched if name in _MATMULS]
+    assert len(matmuls) >= 4 and all(i is not None for _, i in matmuls), matmuls
+
+
 def test_with_dropout_the_compiled_plan_draws_the_same_numbers():
     """Random ops are saved, never replayed: the planned compiled step equals
     the unplanned compiled one under the same seed."""

@@ -71,19 +71,36 @@ class CallMatcher:
         self.running = (c, func, args, kwargs)
         mapped = sorted({self.plan_call.get(d) for d in read} - {None})
         unknown = any(self.plan_call.get(d) is None for d in read)
-        queue = None if unknown else self.waiting.get((_name(func), tuple(mapped)))
+        queue = self._resync(_name(func), mapped) if unknown else self.waiting.get((_name(func), tuple(mapped)))
         if queue:
             i = queue.popleft()
             self.plan_call[c] = self.stands_for.get(i, i)
             return i
-        # a call the plan never made: a copy of one result stands for it, anything else for nothing
-        self.plan_call[c] = mapped[0] if len(mapped) == 1 and not unknown else None
+        # a call the plan never made: a copy of one result stands for it, anything else (a random
+        # draw included: compiled dropout is one call, eager dropout four) for nothing
+        copy = len(mapped) == 1 and not unknown and not _random(func)
+        self.plan_call[c] = mapped[0] if copy else None
         return None
+
+    def _resync(self, name: str, mapped: list[int]) -> deque[int] | None:
+        """For a call reading a result the plan never made (compiled dropout
+        is one ``native_dropout`` where the eager step made several calls):
+        the first waiting plan call of that name that reads at least the plan
+        calls it reads, so the calls after it are matched again."""
+        best = None
+        for (n, deps), queue in self.waiting.items():
+            if n == name and queue and set(mapped) <= set(deps) and (best is None or queue[0] < best[0]):
+                best = queue
+        return best
 
     def produced(self, out) -> None:
         """The output of the call :meth:`match` took last."""
         c, func, args, kwargs = self.running
         self.flow.record(c, func, args, kwargs, out)
+
+
+def _random(func) -> bool:
+    return isinstance(func, torch._ops.OpOverload) and op_kind(func).random
 
 
 def _name(func) -> str:
@@ -106,7 +123,7 @@ def compiled_contexts(calls: tuple[tuple[str, tuple[int, ...]], ...], save: froz
             matcher.produced(ctx.op_output)
         else:  # the output comes when the contexts store it (_see_outputs)
             running[:] = [matcher]
-        if isinstance(func, torch._ops.OpOverload) and op_kind(func).random:
+        if _random(func):
             return CheckpointPolicy.MUST_SAVE  # a replay would draw other numbers
         return CheckpointPolicy.MUST_SAVE if i is not None and i in save else CheckpointPolicy.MUST_RECOMPUTE
 
