@@ -17,6 +17,7 @@ from suite import gloo_group, run_ranks
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autosac.zero3 import native, ops
+from autosac.zero3.ops import GATHER
 
 DTYPES = [torch.bfloat16, torch.float16]
 
@@ -161,20 +162,20 @@ def _gather_worker(rank, world, port):
         torch.manual_seed(rank)
         shards = [torch.randn(4, 3) * 100, torch.randn(7), torch.randn(2, 2, 2), _special_values()]
         handed = []  # bytes handed to the collective, counted at its input
-        real = dist.all_gather_single
+        real = getattr(dist, GATHER)
 
         def counting(output, input, *args, **kwargs):
             handed.append(input.numel() * input.element_size())
             return real(output, input, *args, **kwargs)
 
-        dist.all_gather_single = counting
+        setattr(dist, GATHER, counting)
         try:
             fused = ops.allgather_downcast(shards, torch.bfloat16)
             fp32 = [torch.empty(world * s.numel()) for s in shards]
             for s, out in zip(shards, fp32):
-                dist.all_gather_single(out, s.reshape(-1).contiguous())
+                getattr(dist, GATHER)(out, s.reshape(-1).contiguous())
         finally:
-            dist.all_gather_single = real
+            setattr(dist, GATHER, real)
         assert ops.allgather_downcast([], torch.bfloat16) == []  # nothing to gather: no collective
         fused_bytes, fp32_bytes = handed[0], sum(handed[1:])
         assert fused_bytes * 2 == fp32_bytes
@@ -404,3 +405,21 @@ def test_the_cuda_kernel_is_bitwise_at_every_alignment_and_size(dtype):
         assert torch.equal(_bits(buffer[shift: shift + total]), ref), shift
         assert (buffer[:shift] == 7).all() and (buffer[shift + total:] == 7).all()  # nothing written outside
     assert torch.equal(_bits(ops.pack_downcast(tensors, dtype)), ref)
+
+
+def test_a_cuda_torch_without_a_gpu_builds_the_cpu_op_unless_told_the_architectures(monkeypatch):
+    """PyTorch's extension builder fails (IndexError) on CUDA sources where no
+    GPU is visible and ``TORCH_CUDA_ARCH_LIST`` is unset: a CUDA build of
+    torch on a login node, or torch 2.11's wheel on this machine."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", "/usr/local/cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    assert not native._with_cuda()
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    assert native._with_cuda()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
+    assert native._with_cuda()

@@ -133,3 +133,21 @@ def test_an_alias_that_is_no_view_op_runs_no_kernel():
         assert cost.op_ms(torch.ops.aten.clone.default, (x,), {}, copied)[0] > 0.0
     finally:
         cost.finish()
+
+
+@pytest.mark.parametrize("op", ["_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"])
+def test_grouped_query_attention_costs_attention_over_repeated_heads(op):
+    """torch before 2.13 asserts on grouped-query shapes in its attention FLOP
+    formulas (torchtitan's Llama 3 8B failed to trace on 2.11): the count is
+    that of the same attention with key and value heads repeated."""
+    from autosac.trace.costs import op_flops
+
+    func = getattr(torch.ops.aten, op).default
+    q = torch.empty(2, 8, 128, 64, device="meta")
+    k = torch.empty(2, 2, 128, 64, device="meta")
+    wide = torch.empty(2, 8, 128, 64, device="meta")
+    extra = (None, False) if "efficient" in op else ()
+    out = (torch.empty(2, 8, 128, 64, device="meta"),)
+    expect = op_flops(func, (q, wide, wide, *extra), {}, out)
+    assert expect == 4 * 2 * 8 * 128 * 128 * 64  # two matmuls of 2*S*S*D per head
+    assert op_flops(func, (q, k, k, *extra), {}, out) == expect

@@ -116,7 +116,29 @@ def op_flops(func, args, kwargs, out) -> int | None:
     fn = FLOP_REGISTRY.get(func.overloadpacket)
     if fn is None:
         return None
-    return int(fn(*args, **kwargs, out_val=out))
+    try:
+        return int(fn(*args, **kwargs, out_val=out))
+    except AssertionError:  # torch < 2.13's attention formulas refuse grouped-query shapes
+        widened = _heads_widened(args)
+        if widened is None:
+            raise
+        return int(fn(*widened, **kwargs, out_val=out))
+
+
+def _heads_widened(args) -> tuple | None:
+    """Attention arguments with key and value heads widened to the query's
+    (grouped-query attention costs what attention over repeated key/value
+    heads costs), as meta tensors; None where no 4-d argument has fewer heads."""
+    heads = [a.shape[1] for a in args if isinstance(a, torch.Tensor) and a.dim() == 4]
+    if not heads or min(heads) == max(heads):
+        return None
+    top = max(heads)
+
+    def widen(a):
+        if isinstance(a, torch.Tensor) and a.dim() == 4 and a.shape[1] != top and top % a.shape[1] == 0:
+            return torch.empty((a.shape[0], top, *a.shape[2:]), dtype=a.dtype, device="meta")
+        return a
+    return tuple(widen(a) for a in args)
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

@@ -54,9 +54,15 @@ _state: dict = {"loaded": False, "reason": None, "warned": False}
 
 
 def _with_cuda() -> bool:
+    """Whether to build the CUDA kernel: PyTorch and the toolkit have CUDA,
+    and there is a GPU to build for or ``TORCH_CUDA_ARCH_LIST`` names the
+    architectures (with neither, PyTorch's extension builder fails: a CUDA
+    build of torch on a machine without a GPU gets the C++ op alone)."""
     from torch.utils.cpp_extension import CUDA_HOME
 
-    return torch.version.cuda is not None and CUDA_HOME is not None
+    if torch.version.cuda is None or CUDA_HOME is None:
+        return False
+    return bool(os.environ.get("TORCH_CUDA_ARCH_LIST")) or torch.cuda.is_available()
 
 
 def _source_digest(files: list[Path]) -> str:

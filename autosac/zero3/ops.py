@@ -22,6 +22,10 @@ __all__ = ["pack_downcast", "allgather_downcast"]
 
 _DTYPES = (torch.bfloat16, torch.float16)
 
+# torch.distributed's one-tensor all-gather: ``all_gather_single`` from torch 2.13, before it
+# ``all_gather_into_tensor`` (FSDP2 gathers with the same one)
+GATHER = "all_gather_single" if hasattr(torch.distributed, "all_gather_single") else "all_gather_into_tensor"
+
 
 def _check(tensors, dtype) -> list[torch.Tensor]:
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
@@ -145,8 +149,7 @@ def allgather_downcast(tensors, dtype: torch.dtype = torch.bfloat16, group=None)
     gathered = torch.empty(world * n, dtype=dtype, device=tensors[0].device)
     mine = gathered[rank * n : (rank + 1) * n]
     pack_downcast(tensors, dtype, out=mine)  # straight into this rank's slice: the gather runs in place
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(gathered, mine, group=group)
+    getattr(dist, GATHER)(gathered, mine, group=group)
     rows = gathered.view(world, n)
     out, offset = [], 0
     for t in tensors:
