@@ -16,6 +16,7 @@ from autosac.core.errors import (
     StatsFormatError,
     TraceError,
 )
+from autosac.core.loop import Loop
 from autosac.core.plan import Plan
 from autosac.core.stats import ModelStats
 from autosac.core.version import __version__
@@ -29,6 +30,7 @@ __all__ = [
     "DEVICES",
     "DeviceSpec",
     "InfeasibleBudgetError",
+    "Loop",
     "Measurement",
     "ModelStats",
     "Plan",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from autosac.core.devices import resolve_target
+from autosac.core.loop import Loop, resolve_loop
 from autosac.core.plan import Plan
 from autosac.core.stats import ModelStats
 from autosac.solver import check_solve_options, solve_budget
@@ -35,6 +36,7 @@ def solve(
     grad_accumulation: int = 1,
     zero_grad: str = "after_step",
     batches_ahead: int = 0,
+    loop: Loop | None = None,
 ) -> Plan:
     """Pick which modules to checkpoint, and how much of each one's activations
     to discard, so the step's peak fits ``budget`` with the least recompute time.
@@ -42,7 +44,9 @@ def solve(
     Args:
         model_or_stats: an ``nn.Module`` (profiled here with ``example_inputs``,
             ``loss_fn``, ``optimizer``, ``target``, ``world_size``, ``param_dtype``,
-            ``reduce_dtype``, ``autocast``, ``shard_units``, ``output_held``, ``routing``, ``grad_accumulation``, ``zero_grad``, ``batches_ahead``: see
+            ``reduce_dtype``, ``autocast``, ``shard_units``, ``routing`` and the loop, as
+            ``loop=`` (:class:`autosac.Loop`) or its keywords ``output_held``,
+            ``grad_accumulation``, ``zero_grad``, ``batches_ahead``: see
             :func:`autosac.profile`) or a
             :class:`ModelStats` from :func:`autosac.profile` (profile once, solve many).
         budget: ``"8GiB"``, ``"500MB"``, ``"60%"`` of the unconstrained peak,
@@ -84,11 +88,13 @@ def solve(
         {'blocks.0': 1.0, 'blocks.1.attn': 0.73, ...}
     """
     check_solve_options(solver, time_limit_s)  # before the profile, which may take a while
+    loop = resolve_loop(loop, output_held=output_held, grad_accumulation=grad_accumulation, zero_grad=zero_grad,
+                        batches_ahead=batches_ahead)
     if compile is not None:
         from autosac.compile.fit import check_request
 
         check_request(compile, budget, resolve_target(target).device_type, world_size, autocast is not None,
-                      default_loop=grad_accumulation == 1 and zero_grad == "after_step" and not batches_ahead)
+                      default_loop=loop.is_plain)
         if not hasattr(model_or_stats, "named_modules"):
             raise ValueError("solve(..., compile=...) traces the compiled step: pass the model and example_inputs, "
                              "not stats")
@@ -101,9 +107,7 @@ def solve(
             raise ValueError("solve(model, ...) needs example_inputs= to profile the model (or pass a ModelStats)")
         stats = profile(model_or_stats, example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                         target=target, world_size=world_size, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                        autocast=autocast, shard_units=shard_units, output_held=output_held, routing=routing,
-                        grad_accumulation=grad_accumulation, zero_grad=zero_grad,
-                        batches_ahead=batches_ahead)
+                        autocast=autocast, shard_units=shard_units, routing=routing, loop=loop)
     if compile is None:
         return solve_budget(stats, budget, solver=solver, time_limit_s=time_limit_s, reserve=reserve,
                             max_choices=max_choices, presolve=presolve)

@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_leaves
 from autosac.compile.inductor import inductor_on_fake_tensors
 from autosac.core.devices import DEVICES, DeviceSpec, resolve_target
 from autosac.core.host import HostCosts
+from autosac.core.loop import Loop
 from autosac.trace.aggregate import memory_timeline, peak_breakdown
 from autosac.trace.costs import CostModel
 from autosac.trace.step import trace_step
@@ -130,7 +131,7 @@ def compiled_peak(
         with _dynamo_caches_cleared(), (inductor_on_fake_tensors() if inductor else nullcontext()):
             step = trace_step(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, cost_model=cost,
                               compile_backend=TRACED_AS[backend], small_values=not inductor,
-                              output_held=output_held, autocast=autocast)
+                              loop=Loop(output_held=output_held), autocast=autocast)
     finally:
         cost.finish()
     rec = step.recording

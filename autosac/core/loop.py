@@ -38,6 +38,7 @@ the first run with every gradient alive throughout, whichever the order.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -101,3 +102,88 @@ def check_output_held(output_held) -> bool:
         raise ValueError(f"output_held must be True (the loop keeps `out = model(x)` through backward) or False "
                          f"(`loss = loss_fn(model(x))`), got {output_held!r}")
     return output_held
+
+
+@dataclass(frozen=True)
+class Loop:
+    """The training loop a plan is made for (this module's docstring shows
+    each setting's loop), checked once when built.
+
+    Attributes:
+        output_held: the loop keeps ``out = model(x)`` through backward
+            (``True``, the default) or drops it at the loss (``False``).
+        grad_accumulation: micro-batches per optimizer step (1: none).
+        zero_grad: ``"after_step"`` (``opt.step(); opt.zero_grad()``) or
+            ``"before_backward"`` (between the loss and ``backward``, as
+            Lightning does: the previous step's gradients alive in the forward).
+        batches_ahead: batches a data loader holds besides the step's.
+
+    Raises:
+        ValueError: a setting of the wrong type or out of range, in one line.
+
+    Example::
+
+        >>> loop = autosac.Loop(output_held=False, grad_accumulation=4)
+        >>> stats = autosac.profile(model, x, loop=loop)
+        >>> stats.loop == loop
+        True
+    """
+
+    output_held: bool = True
+    grad_accumulation: int = 1
+    zero_grad: str = "after_step"
+    batches_ahead: int = 0
+
+    def __post_init__(self) -> None:
+        check_output_held(self.output_held)
+        n = self.grad_accumulation
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"grad_accumulation must be a positive int (micro-batches per optimizer step), got {n!r}")
+        check_zero_grad(self.zero_grad)
+        b = self.batches_ahead
+        if not isinstance(b, int) or isinstance(b, bool) or b < 0:
+            raise ValueError(f"batches_ahead must be an int >= 0, got {b!r}")
+
+    @property
+    def grads_alive(self) -> str:
+        """Which gradients a traced step starts with: ``"step"`` (every one,
+        the worst micro-batch of an accumulating loop), ``"forward"`` (the
+        previous step's, until ``zero_grad`` before backward) or ``""``."""
+        if self.grad_accumulation > 1:
+            return "step"
+        return "forward" if self.zero_grad == "before_backward" else ""
+
+    @property
+    def is_plain(self) -> bool:
+        """No accumulation, ``zero_grad`` after the step, no batch ahead (the
+        loop compiled plans are fitted for; the output may be held or not)."""
+        return self.grad_accumulation == 1 and self.zero_grad == "after_step" and not self.batches_ahead
+
+    def measuring(self) -> Loop:
+        """The same loop with at most 2 micro-batches: the second already
+        reaches an accumulating loop's peak, so measuring it is enough."""
+        return replace(self, grad_accumulation=min(self.grad_accumulation, 2))
+
+    @classmethod
+    def of(cls, obj) -> Loop:
+        """The loop a :class:`ModelStats` or :class:`Plan` (or anything with the four fields) is for."""
+        return cls(output_held=obj.output_held, grad_accumulation=obj.grad_accumulation,
+                   zero_grad=obj.zero_grad, batches_ahead=obj.batches_ahead)
+
+
+DEFAULT_LOOP = Loop()  # the loop most people write (the module docstring's first)
+
+
+def resolve_loop(loop: Loop | None, **settings) -> Loop:
+    """``loop``, or one built from the loop keywords (``output_held``,
+    ``grad_accumulation``, ``zero_grad``, ``batches_ahead``) the convenience
+    signatures take; a one-line ``ValueError`` where both are given."""
+    if loop is None:
+        return Loop(**settings)
+    if not isinstance(loop, Loop):
+        raise TypeError(f"loop must be an autosac.Loop, got {type(loop).__name__}")
+    given = sorted(k for k, v in settings.items() if v != getattr(DEFAULT_LOOP, k))
+    if given:
+        raise ValueError(f"pass the loop as loop= or as keywords, not both: drop {', '.join(given)} "
+                         f"or set it in the Loop")
+    return loop

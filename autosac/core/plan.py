@@ -9,6 +9,7 @@ from pathlib import Path
 
 from autosac.core.budget import format_bytes
 from autosac.core.errors import StatsFormatError
+from autosac.core.loop import Loop
 from autosac.core.schema import build, check, check_common, parse, short
 
 PLAN_FORMAT = 5
@@ -123,6 +124,12 @@ class Plan:
     def overhead(self) -> float:
         """Recompute time as a fraction of the unmodified step time."""
         return self.recompute_ms / self.baseline_step_ms if self.baseline_step_ms else 0.0
+
+    @property
+    def loop(self) -> Loop:
+        """The training loop the plan is made for, as one :class:`autosac.Loop`:
+        pass it to :func:`autosac.measure` (``loop=plan.loop``) to measure that loop."""
+        return Loop.of(self)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)

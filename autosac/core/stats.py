@@ -11,6 +11,7 @@ import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from autosac.core.errors import StatsFormatError
+from autosac.core.loop import Loop
 from autosac.core.schema import build, check_common, parse
 
 STATS_FORMAT = 5
@@ -222,6 +223,12 @@ class ModelStats:
     # "capacity_factor"}, "routers": [{"op", "module", "tokens", "top_k", "experts"}, ...]}; {} without routing
     routing: dict = field(default_factory=dict)
     format: int = STATS_FORMAT
+
+    @property
+    def loop(self) -> Loop:
+        """The training loop traced (``output_held``, ``grad_accumulation``,
+        ``zero_grad``, ``batches_ahead``) as one :class:`autosac.Loop`."""
+        return Loop.of(self)
 
     def to_json(self) -> str:
         """Serialise to a JSON string (no pickle; loads with :meth:`from_json`)."""

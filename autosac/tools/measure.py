@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_leaves
 
 from autosac.core.allocations import allocation_peak, refuse_running_profiler
 from autosac.core.inputs import split_inputs
-from autosac.core.loop import check_output_held, check_zero_grad, output_tensors
+from autosac.core.loop import Loop, output_tensors, resolve_loop
 from autosac.core.optim import OptimizerSpec, default_loss, make_optimizer
 from autosac.trace.autocast import check_autocast_dtype
 
@@ -74,6 +74,7 @@ def measure(
     grad_accumulation: int = 1,
     zero_grad: str = "after_step",
     batches_ahead: int = 0,
+    loop: Loop | None = None,
 ) -> Measurement:
     """Run ``steps`` real training steps (after one warm-up that creates the
     optimizer state) and one more under the profiler for the memory peak.
@@ -105,6 +106,9 @@ def measure(
         batches_ahead: copies of ``example_inputs`` kept alive through the
             steps, as a data loader that fetches ahead holds them
             (``plan.batches_ahead``).
+        loop: the four loop settings above as one :class:`autosac.Loop`
+            instead of the keywords: ``plan.loop`` (``plan.loop.measuring()``
+            to run at most 2 micro-batches).
 
     Returns:
         Measurement with ``.peak_bytes`` and ``.step_ms``.
@@ -121,15 +125,11 @@ def measure(
     """
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
         raise ValueError(f"steps must be an int >= 0, got {steps!r}")
-    if not isinstance(grad_accumulation, int) or isinstance(grad_accumulation, bool) or grad_accumulation < 1:
-        raise ValueError(f"grad_accumulation must be a positive int, got {grad_accumulation!r}")
+    loop = resolve_loop(loop, output_held=output_held, grad_accumulation=grad_accumulation, zero_grad=zero_grad,
+                        batches_ahead=batches_ahead)
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("the model is on meta: measure needs real weights (build it on cpu)")
     check_autocast_dtype(autocast)
-    check_output_held(output_held)
-    check_zero_grad(zero_grad)
-    if not isinstance(batches_ahead, int) or isinstance(batches_ahead, bool) or batches_ahead < 0:
-        raise ValueError(f"batches_ahead must be an int >= 0, got {batches_ahead!r}")
     loss_fn = loss_fn or default_loss
     args, kwargs = split_inputs(example_inputs)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -156,11 +156,11 @@ def measure(
     def micro_step(first: bool) -> float:
         with amp():
             out = model(*args, **kwargs)
-            if output_held:
+            if loop.output_held:
                 held[:] = [out]  # the previous step's output dies here
             loss = loss_fn(out)
             del out
-        if first and zero_grad == "before_backward":
+        if first and loop.zero_grad == "before_backward":
             zero_grads()
         loss.backward()
         value = float(loss.detach())
@@ -168,11 +168,11 @@ def measure(
         return value
 
     def step() -> float:
-        for i in range(grad_accumulation):
+        for i in range(loop.grad_accumulation):
             value = micro_step(first=i == 0)
         if opt is not None:
             opt.step()
-        if zero_grad == "after_step":
+        if loop.zero_grad == "after_step":
             zero_grads()
         return value
 
@@ -191,7 +191,7 @@ def measure(
             loss = step()
             times.append((time.perf_counter() - t0) * 1e3)
     # batches a data loader fetched ahead: alive from before the measured step to after it
-    ahead = [t.clone() for _ in range(batches_ahead) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    ahead = [t.clone() for _ in range(loop.batches_ahead) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     gc.collect()  # garbage left by earlier work is not freed in the middle of the measured step
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -204,7 +204,7 @@ def measure(
         alive += [t for st in opt.state.values() for t in st.values()]
     alive += ahead
     grads = [p.grad for p in model.parameters() if p.grad is not None]  # zero_grad="before_backward"
-    if not output_held and not grads:
+    if not loop.output_held and not grads:
         peak, _ = allocation_peak(step)
         return Measurement(_storage_bytes(alive) + peak, _median(times), times, loss)
     # The measured step frees the previous step's output (and gradients), which the profiler

@@ -32,6 +32,7 @@ from autosac.core.devices import resolve_target
 from autosac.core.errors import InfeasibleBudgetError
 from autosac.core.fingerprint import model_fingerprint
 from autosac.core.inputs import split_inputs
+from autosac.core.loop import resolve_loop
 from autosac.core.plan import Plan
 from autosac.core.stats import ModelStats
 from autosac.solver import check_solve_options, solve_stats
@@ -173,6 +174,10 @@ def search(
             ``make_inputs`` whose batch is not the size asked for.
         TypeError: an option :func:`autosac.profile` does not take.
     """
+    if profile_options.get("loop") is not None:  # each batch size's accumulation is set below: as keywords
+        profile_options = {**profile_options, **dataclasses.asdict(resolve_loop(profile_options.pop("loop")))}
+        if global_batch is not None and profile_options["grad_accumulation"] == 1:
+            del profile_options["grad_accumulation"]
     accums = _accumulations(_check_sizes(batch_sizes), global_batch, profile_options)
     memory_bytes = _usable_memory(memory, reserve)
     check_solve_options(solver, time_limit_s)

@@ -203,9 +203,7 @@ def measure_sweep(result: Sweep, model, example_inputs, *, steps: int = 2, round
         return result
     opt = optimizer or plans[0].plan.optimizer
     # the loop the plans were made for
-    loop = dict(steps=steps, optimizer=opt, output_held=plans[0].plan.output_held,
-                grad_accumulation=min(plans[0].plan.grad_accumulation, 2), zero_grad=plans[0].plan.zero_grad,
-                batches_ahead=plans[0].plan.batches_ahead)
+    loop = dict(steps=steps, optimizer=opt, loop=plans[0].plan.loop.measuring())
     variants = [(p, lambda p=p: apply(copy.deepcopy(model), p.plan)) for p in plans]
     if result.blocks:
         result.torch_checkpoint = SweepPoint(0, status="torch.utils.checkpoint", modules=len(result.blocks))

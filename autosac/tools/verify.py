@@ -42,9 +42,7 @@ def verify_plan_file(args) -> int:
     model, inputs = build_from_spec(args.model, args.model_arg, args.batch, args.seq, device=device)
     amp = getattr(torch, plan.autocast) if plan.autocast else None
     # two micro-batches reach an accumulating step's peak: from the second on, every gradient is alive
-    loop = dict(steps=args.steps, optimizer=plan.optimizer, autocast=amp, output_held=plan.output_held,
-                grad_accumulation=min(plan.grad_accumulation, 2), zero_grad=plan.zero_grad,
-                batches_ahead=plan.batches_ahead)
+    loop = dict(steps=args.steps, optimizer=plan.optimizer, autocast=amp, loop=plan.loop.measuring())
     routed = copy.deepcopy(model) if plan.routing else None  # the weights the routing is measured with
     baseline = autosac.tools.measure.measure(copy.deepcopy(model), inputs, **loop)
     autosac.applier.apply(model, plan)

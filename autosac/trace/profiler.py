@@ -13,7 +13,7 @@ from autosac.core.devices import DeviceSpec, resolve_target
 from autosac.core.fingerprint import model_fingerprint
 from autosac.core.inputs import input_signature, split_inputs
 from autosac.core.integrations import own_checkpointing
-from autosac.core.loop import check_output_held, check_zero_grad
+from autosac.core.loop import Loop, resolve_loop
 from autosac.core.marks import has_applied_plan
 from autosac.core.optim import OptimizerSpec, optimizer_name
 from autosac.core.rng import generators_kept
@@ -45,6 +45,7 @@ def profile(
     grad_accumulation: int = 1,
     zero_grad: str = "after_step",
     batches_ahead: int = 0,
+    loop: Loop | None = None,
 ) -> ModelStats:
     """Trace one training step (forward, loss, backward, optimizer step) under
     FakeTensorMode and return its memory, runtime and recompute statistics.
@@ -111,6 +112,8 @@ def profile(
             runs, each the size of ``example_inputs`` (accelerate's loader in
             transformers' ``Trainer`` fetches the next batch before the step).
             Recorded in ``stats.batches_ahead``.
+        loop: the four loop settings above as one :class:`autosac.Loop`
+            (``stats.loop`` gives it back), instead of the keywords.
 
     Returns:
         ModelStats: plain, JSON-serialisable statistics.
@@ -151,11 +154,11 @@ def profile(
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     mixed = _mixed_precision(model, world_size, param_dtype, reduce_dtype)
     check_autocast_dtype(autocast)
-    check_output_held(output_held)
-    _check_grad_accumulation(grad_accumulation, world_size)
-    check_zero_grad(zero_grad)
-    if not isinstance(batches_ahead, int) or isinstance(batches_ahead, bool) or batches_ahead < 0:
-        raise ValueError(f"batches_ahead must be an int >= 0, got {batches_ahead!r}")
+    loop = resolve_loop(loop, output_held=output_held, grad_accumulation=grad_accumulation, zero_grad=zero_grad,
+                        batches_ahead=batches_ahead)
+    if loop.grad_accumulation > 1 and world_size > 1:
+        raise ValueError("grad_accumulation above 1 is modelled for one process only (world_size=1): FSDP2 "
+                         "reduces and keeps sharded gradients between micro-batches, which the trace does not model")
     assumed = None if routing is None else parse_routing(routing)
     refuse_sharded(model, world_size)
     units = resolve_shard_units(model, shard_units, world_size)
@@ -163,9 +166,7 @@ def profile(
         cost = CostModel(spec)
         try:
             step = trace_step(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, cost_model=cost,
-                              param_dtype=param_dtype, autocast=autocast, output_held=output_held,
-                              routing=assumed, grads_alive=_grads_alive(grad_accumulation, zero_grad),
-                              batches_ahead=batches_ahead)
+                              param_dtype=param_dtype, autocast=autocast, routing=assumed, loop=loop)
         finally:
             cost.finish()
     _say_unknown_ops(step.recording.unknown_ops)
@@ -182,31 +183,14 @@ def profile(
     stats.mixed_precision = mixed
     stats.autocast = str(autocast).removeprefix("torch.") if autocast is not None else ""
     stats.shard_units = units
-    stats.output_held = output_held
-    stats.grad_accumulation = grad_accumulation
-    stats.zero_grad = zero_grad
-    stats.batches_ahead = batches_ahead
+    stats.output_held, stats.grad_accumulation = loop.output_held, loop.grad_accumulation
+    stats.zero_grad, stats.batches_ahead = loop.zero_grad, loop.batches_ahead
     routers = step.recording.routers
     stats.routing = {"assumption": (assumed or parse_routing("balanced")).to_dict(),
                      "routers": [asdict(c) for c in routers]} if routers else {}
     # preserve_rng_state keeps the CPU generator state (and a device's) per checkpoint call
     stats.checkpoint_state_bytes = torch.get_rng_state().numel() + (16 if not spec.measured else 0)
     return stats
-
-
-def _grads_alive(grad_accumulation: int, zero_grad: str) -> str:
-    """Which gradients the traced step starts with (trace_step's ``grads_alive``)."""
-    if grad_accumulation > 1:
-        return "step"  # the worst micro-batch: the ones before left every gradient
-    return "forward" if zero_grad == "before_backward" else ""
-
-
-def _check_grad_accumulation(n, world_size: int) -> None:
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"grad_accumulation must be a positive int (micro-batches per optimizer step), got {n!r}")
-    if n > 1 and world_size > 1:
-        raise ValueError("grad_accumulation above 1 is modelled for one process only (world_size=1): FSDP2 "
-                         "reduces and keeps sharded gradients between micro-batches, which the trace does not model")
 
 
 _SAID_UNKNOWN: set[str] = set()  # ops already named in this process

@@ -28,6 +28,7 @@ from autosac.core.devices import library_workspace_bytes
 from autosac.core.errors import NothingToCheckpointError, TraceError
 from autosac.core.inputs import split_inputs
 from autosac.core.integrations import caches_off
+from autosac.core.loop import DEFAULT_LOOP, Loop
 from autosac.core.optim import OptimizerSpec, default_loss, make_optimizer
 from autosac.core.pystate import capture
 from autosac.core.stats import ParamStats
@@ -70,10 +71,8 @@ def trace_step(
     autocast: torch.dtype | None = None,
     compile_backend: str | None = None,
     small_values: bool = True,
-    output_held: bool = True,
     routing: Routing | None = None,
-    grads_alive: str = "",
-    batches_ahead: int = 0,
+    loop: Loop = DEFAULT_LOOP,
 ) -> TracedStep:
     """Trace forward, loss, backward and optimizer step; return the raw recording.
 
@@ -83,16 +82,16 @@ def trace_step(
     code runs no module hooks).  ``small_values=False`` runs every op fake
     (by default ops on small real cpu tensors run for real, so code that reads
     their values branches as in the real step); a compiled step whose fused
-    kernels are skipped computes no values to read.  ``output_held``: the
-    loop :mod:`autosac.core.loop` describes keeps the model's output alive to the
-    step's end and the previous step's until the forward returns (else the
-    output dies when the loss exists).  ``grads_alive``: ``"step"``, every
-    gradient is alive from the step's start, as gradient accumulation leaves
-    them for each micro-batch after the first; ``"forward"``, alive from the
-    start until the loss exists and set to ``None`` before the backward (a
-    loop that calls ``zero_grad()`` there, as Lightning does); ``""``, none.
-    ``batches_ahead``: copies of the inputs alive through the step (batches a
-    data loader has already fetched).
+    kernels are skipped computes no values to read.  ``loop``: the training
+    loop (:class:`autosac.core.loop.Loop`).  With ``output_held`` the model's
+    output is alive to the step's end and the previous step's until the
+    forward returns (else the output dies when the loss exists).  Its
+    ``grads_alive``: ``"step"``, every gradient is alive from the step's
+    start, as gradient accumulation leaves them for each micro-batch after the
+    first; ``"forward"``, alive from the start until the loss exists and set
+    to ``None`` before the backward (``zero_grad()`` there, as Lightning
+    does).  ``batches_ahead``: copies of the inputs alive through the step
+    (batches a data loader has already fetched).
 
     The model and the example inputs are left exactly as they were: parameters
     and buffers are swapped back, and attributes the forward assigned (under
@@ -118,8 +117,7 @@ def trace_step(
         with _gc_paused(), _fake_tensor_log_quiet(), fake_parameters(model, mode, param_dtype), mode:
             # FSDP2's mixed precision casts floating inputs to param_dtype too
             args, kwargs = tree_map(lambda x: trace_input(x, param_dtype), (real_args, real_kwargs))
-            once = (model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast, runner, small_values,
-                    output_held, grads_alive, batches_ahead)
+            once = (model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast, runner, small_values, loop)
             step = _trace_routed(once, routing, before)
             if before.grew():
                 step = _trace_routed(once, routing, before)
@@ -211,8 +209,7 @@ class CompiledStepRecorder(StepRecorder):
 
 
 def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autocast=None,
-                compiled=None, small_values=True, output_held=True, grads_alive="", batches_ahead=0, routing=BALANCED,
-                route=True) -> TracedStep:
+                compiled=None, small_values=True, loop: Loop = DEFAULT_LOOP, routing=BALANCED, route=True) -> TracedStep:
     """One recorded step on a model whose parameters are already fake (run
     through ``compiled``, its ``torch.compile`` wrapper, when given)."""
     names = {id(m): fqn for fqn, m in model.named_modules()}
@@ -224,11 +221,11 @@ def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autoc
     opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
     init_optimizer_state(model, opt)
     params = track_params(model, opt, recorder)
-    if grads_alive:
+    if loop.grads_alive:
         hold_gradients(model, recorder)
     buffer_bytes = track_new(recorder, {id(b): b for b in model.buffers()}.values(), "buffer")
     input_bytes = track_new(recorder, tree_leaves((args, kwargs)), "input")
-    input_bytes += hold_batches_ahead(recorder, input_bytes, batches_ahead)
+    input_bytes += hold_batches_ahead(recorder, input_bytes, loop.batches_ahead)
     hooks = []
     runner = model if compiled is None else compiled
     if compiled is None:  # compiled code runs no module hooks
@@ -240,11 +237,11 @@ def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autoc
         # transformers models run without a cache, as the applied model will run them
         with caches_off(model), _as_on_target(cost_model.spec, autocast):  # forward and loss under autocast
             loss, out, forward_end = _forward_and_loss(runner, args, kwargs, loss_fn, recorder)
-        if output_held:
+        if loop.output_held:
             hold_previous_output(recorder, out, forward_end)
         else:
             del out
-        if grads_alive == "forward":
+        if loop.grads_alive == "forward":
             drop_gradients(model)
         _backward_and_update(model, loss, opt, recorder)
     finally:

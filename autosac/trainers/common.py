@@ -19,6 +19,7 @@ from torch import nn
 from autosac.api import solve
 from autosac.applier import apply
 from autosac.core.integrations import own_checkpointing, transformers_models
+from autosac.core.loop import Loop
 from autosac.core.plan import Plan
 from autosac.core.rng import generators_kept
 
@@ -32,9 +33,9 @@ __all__ = ["PlanRequest", "plan_and_apply", "first_batch", "optimizer_like", "de
 class PlanRequest:
     """What to plan for: ``budget`` and the step the trainer runs.
 
-    ``optimizer``, ``autocast``, ``grad_accumulation``, ``output_held``, ``zero_grad`` and ``batches_ahead`` are
-    as in :func:`autosac.profile` (the integrations fill them from the
-    trainer); ``target`` defaults to the device the model is on
+    ``optimizer``, ``autocast`` and ``loop`` (:class:`autosac.Loop`; a
+    trainer's step drops the model's output at the loss) are as in
+    :func:`autosac.profile` (the integrations fill them from the trainer); ``target`` defaults to the device the model is on
     (:func:`default_target`); ``solve_kwargs`` go to :func:`autosac.solve`
     (``solver``, ``time_limit_s``, ``reserve``, ``routing``, ...)."""
 
@@ -42,10 +43,7 @@ class PlanRequest:
     loss_fn: object = None
     optimizer: object = "adamw"
     autocast: torch.dtype | None = None
-    grad_accumulation: int = 1
-    output_held: bool = False
-    zero_grad: str = "after_step"
-    batches_ahead: int = 0
+    loop: Loop = field(default_factory=lambda: Loop(output_held=False))
     target: object = None
     solve_kwargs: dict = field(default_factory=dict)
 
@@ -63,9 +61,7 @@ def plan_and_apply(model: nn.Module, example_inputs, request: PlanRequest) -> Pl
     """
     target = request.target if request.target is not None else default_target(model)
     plan = solve(model, request.budget, example_inputs, loss_fn=request.loss_fn, optimizer=request.optimizer,
-                 target=target, autocast=request.autocast, grad_accumulation=request.grad_accumulation,
-                 output_held=request.output_held, zero_grad=request.zero_grad, batches_ahead=request.batches_ahead,
-                 **request.solve_kwargs)
+                 target=target, autocast=request.autocast, loop=request.loop, **request.solve_kwargs)
     apply(model, plan)
     log.info("autosac plan applied (%d modules checkpointed):\n%s", len(plan.decisions), plan)
     return plan

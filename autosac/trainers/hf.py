@@ -41,6 +41,7 @@ import torch
 
 from autosac.applier import applied_plan
 from autosac.core.errors import MissingExtraError
+from autosac.core.loop import Loop
 from autosac.trainers.common import (
     PlanRequest,
     first_batch,
@@ -135,6 +136,7 @@ class AutosacCallback(TrainerCallback):
         request = PlanRequest(
             budget=self.budget, loss_fn=self.loss_fn or trainer_loss,
             optimizer=self.optimizer if self.optimizer is not None else optimizer_like(optimizer),
-            autocast=autocast, grad_accumulation=args.gradient_accumulation_steps, output_held=False,
-            batches_ahead=args.gradient_accumulation_steps, target=self.target, solve_kwargs=self.solve_kwargs)
+            autocast=autocast, target=self.target, solve_kwargs=self.solve_kwargs,
+            loop=Loop(output_held=False, grad_accumulation=args.gradient_accumulation_steps,
+                      batches_ahead=args.gradient_accumulation_steps))
         self.plan = plan_and_apply(model, batch, request)

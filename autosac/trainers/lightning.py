@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from autosac.core.errors import MissingExtraError
+from autosac.core.loop import Loop
 from autosac.trainers.common import PlanRequest, first_batch, optimizer_like, plan_and_apply, refuse_processes
 
 try:
@@ -159,8 +160,9 @@ class AutosacCallback(Callback):
             optimizer = optimizer_like(trainer.optimizers[0] if trainer.optimizers else None)
         request = PlanRequest(budget=self.budget, loss_fn=step_loss, optimizer=optimizer,
                               autocast=_AUTOCAST.get(str(trainer.precision)),
-                              grad_accumulation=trainer.accumulate_grad_batches, output_held=False,
-                              zero_grad="before_backward", target=self.target, solve_kwargs=self.solve_kwargs)
+                              target=self.target, solve_kwargs=self.solve_kwargs,
+                              loop=Loop(output_held=False, grad_accumulation=trainer.accumulate_grad_batches,
+                                        zero_grad="before_backward"))
         root = TrainingStep(pl_module, pl_module.training_step)
         with _quiet_logging(pl_module):
             self.plan = plan_and_apply(root, (batch, 0), request)

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from autosac.core.errors import MissingExtraError
+from autosac.core.loop import Loop
 from autosac.core.plan import Plan
 
 try:
@@ -100,9 +101,9 @@ def plan_for_job(model: nn.Module, job_config, world_size: int = 1) -> Plan:
         mixed = {"autocast": getattr(torch, training.mixed_precision_param)} if low else {}
     reserve = cfg.reserve.strip()
     return solve(model, cfg.budget, tokens, loss_fn=titan_loss, optimizer=_optimizer(job_config.optimizer),
-                 target=cfg.target, world_size=world_size, output_held=False, solver=cfg.solver,
+                 target=cfg.target, world_size=world_size, solver=cfg.solver,
                  reserve=0 if reserve in ("", "0") else reserve,
-                 grad_accumulation=accumulation_steps(job_config, world_size), **mixed)
+                 loop=Loop(output_held=False, grad_accumulation=accumulation_steps(job_config, world_size)), **mixed)
 
 
 def _optimizer(config):
