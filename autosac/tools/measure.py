@@ -137,89 +137,109 @@ def measure(
     if not cuda:  # the CPU's peak is read off a profiler of ours (CUDA's off the allocator's counters)
         refuse_running_profiler()
     amp = (lambda: torch.autocast(device.type, dtype=autocast)) if autocast is not None else nullcontext
-    opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
+    runner = _LoopRunner(model, args, kwargs, loss_fn, optimizer, loop, amp)
+    loss = runner.step()  # creates optimizer state: later steps are steady-state
+    times = []
+    for _ in range(steps):
+        ms, loss = _timed(runner.step, cuda)
+        times.append(ms)
+    # batches a data loader fetched ahead: alive from before the measured step to after it
+    ahead = [t.clone() for _ in range(loop.batches_ahead) for t in tree_leaves((args, kwargs))
+             if isinstance(t, torch.Tensor)]
+    gc.collect()  # garbage left by earlier work is not freed in the middle of the measured step
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        runner.step()
+        torch.cuda.synchronize(device)
+        return Measurement(torch.cuda.max_memory_allocated(device), _median(times), times, loss)
+    return Measurement(_cpu_peak(runner, ahead), _median(times), times, loss)
 
-    # inputs that require grad get theirs anew each step, as parameters do
-    # (a gradient left from the step before would be written in place, unseen)
-    grad_inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
 
-    held = []  # the loop's `out` variable (output_held): the previous step's output until a forward returns
+class _LoopRunner:
+    """The training loop :func:`measure` runs (:mod:`autosac.core.loop`):
+    each step runs ``loop.grad_accumulation`` forwards and backwards, then
+    the optimizer step, with gradients set to ``None`` where ``loop.zero_grad``
+    says and the model's output held in ``held`` as ``out = model(x)`` is."""
 
-    def zero_grads() -> None:
-        if opt is not None:
-            opt.zero_grad(set_to_none=True)
+    def __init__(self, model, args, kwargs, loss_fn, optimizer, loop: Loop, amp) -> None:
+        self.model, self.args, self.kwargs, self.loss_fn, self.loop, self.amp = model, args, kwargs, loss_fn, loop, amp
+        self.opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
+        # inputs that require grad get theirs anew each step, as parameters do
+        # (a gradient left from the step before would be written in place, unseen)
+        self.grad_inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+        self.held: list = []  # the loop's `out` variable: the previous step's output until a forward returns
+
+    def zero_grads(self) -> None:
+        if self.opt is not None:
+            self.opt.zero_grad(set_to_none=True)
         else:
-            model.zero_grad(set_to_none=True)
-        for t in grad_inputs:
+            self.model.zero_grad(set_to_none=True)
+        for t in self.grad_inputs:
             t.grad = None
 
-    def micro_step(first: bool) -> float:
-        with amp():
-            out = model(*args, **kwargs)
-            if loop.output_held:
-                held[:] = [out]  # the previous step's output dies here
-            loss = loss_fn(out)
+    def micro_step(self, first: bool) -> float:
+        with self.amp():
+            out = self.model(*self.args, **self.kwargs)
+            if self.loop.output_held:
+                self.held[:] = [out]  # the previous step's output dies here
+            loss = self.loss_fn(out)
             del out
-        if first and loop.zero_grad == "before_backward":
-            zero_grads()
+        if first and self.loop.zero_grad == "before_backward":
+            self.zero_grads()
         loss.backward()
         value = float(loss.detach())
         del loss
         return value
 
-    def step() -> float:
-        for i in range(loop.grad_accumulation):
-            value = micro_step(first=i == 0)
-        if opt is not None:
-            opt.step()
-        if loop.zero_grad == "after_step":
-            zero_grads()
+    def step(self) -> float:
+        for i in range(self.loop.grad_accumulation):
+            value = self.micro_step(first=i == 0)
+        if self.opt is not None:
+            self.opt.step()
+        if self.loop.zero_grad == "after_step":
+            self.zero_grads()
         return value
 
-    loss = step()  # creates optimizer state: later steps are steady-state
-    times = []
-    for _ in range(steps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            loss = step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            loss = step()
-            times.append((time.perf_counter() - t0) * 1e3)
-    # batches a data loader fetched ahead: alive from before the measured step to after it
-    ahead = [t.clone() for _ in range(loop.batches_ahead) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    gc.collect()  # garbage left by earlier work is not freed in the middle of the measured step
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-        step()
-        torch.cuda.synchronize(device)
-        return Measurement(torch.cuda.max_memory_allocated(device), _median(times), times, loss)
 
-    alive = list(model.parameters()) + list(model.buffers()) + list(tree_leaves((args, kwargs)))
+def _timed(step, cuda: bool) -> tuple[float, float]:
+    """Milliseconds one ``step()`` takes (CUDA events on a GPU), and its loss."""
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss = step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end), loss
+    t0 = time.perf_counter()
+    loss = step()
+    return (time.perf_counter() - t0) * 1e3, loss
+
+
+def _cpu_peak(runner: _LoopRunner, ahead: list[torch.Tensor]) -> int:
+    """The peak of one steady-state step on the CPU: the bytes alive at its
+    start plus the most the profiler's allocator events add during it."""
+    model, opt = runner.model, runner.opt
+    alive = list(model.parameters()) + list(model.buffers()) + list(tree_leaves((runner.args, runner.kwargs)))
     if opt is not None:
         alive += [t for st in opt.state.values() for t in st.values()]
     alive += ahead
     grads = [p.grad for p in model.parameters() if p.grad is not None]  # zero_grad="before_backward"
-    if not loop.output_held and not grads:
-        peak, _ = allocation_peak(step)
-        return Measurement(_storage_bytes(alive) + peak, _median(times), times, loss)
+    if not runner.loop.output_held and not grads:
+        peak, _ = allocation_peak(runner.step)
+        return _storage_bytes(alive) + peak
     # The measured step frees the previous step's output (and gradients), which the profiler
     # reports only if they were made under the profile: one step runs first, then the measured
     # step, counted from its start; what the first leaves alive is counted as the step before
     # the profile left it (same sizes).
-    base = _storage_bytes(alive + output_tensors(held) + grads)
-    held.clear()
+    base = _storage_bytes(alive + output_tensors(runner.held) + grads)
+    runner.held.clear()
     del grads
 
     def two_steps():
-        step()
+        runner.step()
         with torch.profiler.record_function(_MEASURED):
             pass
-        return step()
+        return runner.step()
 
     peak, _ = allocation_peak(two_steps, after=_MEASURED)
-    return Measurement(base + peak, _median(times), times, loss)
+    return base + peak
