@@ -136,7 +136,22 @@ def seeded(factory, seed: int = 0):
     return build
 
 
-__all__ = ["A100_CPU_KERNELS", "Row", "assert_same_step", "check_model", "seeded", "training_step"]
+# small configs of the hf:NAME models (``autosac plan --model hf:NAME --model-arg ...``): two layers
+# of width 64, a vocabulary of 256
+HF_SMALL = {
+    "llama": ["num_hidden_layers=2", "hidden_size=64", "intermediate_size=172", "num_attention_heads=4",
+              "num_key_value_heads=2", "vocab_size=256"],
+    "mistral": ["num_hidden_layers=2", "hidden_size=64", "intermediate_size=172", "num_attention_heads=4",
+                "num_key_value_heads=2", "vocab_size=256"],
+    "qwen2": ["num_hidden_layers=2", "hidden_size=64", "intermediate_size=172", "num_attention_heads=4",
+              "num_key_value_heads=2", "vocab_size=256"],
+    "gpt2": ["n_layer=2", "n_embd=64", "n_head=4", "vocab_size=256"],
+    "bert": ["num_hidden_layers=2", "hidden_size=64", "intermediate_size=256", "num_attention_heads=4",
+             "vocab_size=256"],
+}
+
+
+__all__ = ["A100_CPU_KERNELS", "HF_SMALL", "Row", "assert_same_step", "check_model", "seeded", "training_step"]
 
 
 def free_port() -> int:

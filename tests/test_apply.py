@@ -809,3 +809,8 @@ class FrozenTail(Frozen):
 
 def test_frozen_tail():
     _predicted_vs_measured(FrozenTail)
+
+
+def test_unapply_of_something_else_is_a_type_error():
+    with pytest.raises(TypeError, match="unapply needs an nn.Module, got str"):
+        autosac.unapply("x")

@@ -4,7 +4,9 @@ import math
 
 import pytest
 
+import autosac
 from autosac.core.budget import parse_budget
+from autosac.models import build_model
 
 PEAK = 10 * 2**30
 
@@ -87,3 +89,23 @@ def test_least_is_the_least_feasible_budget_from_stats_the_model_and_the_cli(cap
     assert main(["plan", "--model", "gpt-tiny", "--batch", "2", "--seq", "64", "--target", "cpu",
                  "--budget", "least", "--quiet"]) == 0
     assert "planned peak" in capsys.readouterr().out
+
+
+def test_reserve_errors_name_the_reserve():
+    model, idx = build_model("gpt-tiny", device="cpu", batch=2)
+    stats = autosac.profile(model, idx)
+    with pytest.raises(ValueError, match="cannot parse reserve 'lots'"):
+        autosac.solve(stats, "90%", reserve="lots")
+    with pytest.raises(ValueError, match="time_limit_s must be a positive number"):
+        autosac.solve(stats, "90%", time_limit_s=-1)
+
+
+def test_infeasible_message_tells_sizes_that_round_alike_apart():
+    from autosac.solver import least_peak
+    from autosac.solver.problem import build_problem
+
+    model, idx = build_model("gpt-tiny", device="cpu", batch=2)
+    stats = autosac.profile(model, idx)
+    least, _ = least_peak(build_problem(stats))
+    with pytest.raises(autosac.InfeasibleBudgetError, match=r"bytes\) is below the least reachable peak .* bytes\)"):
+        autosac.solve(stats, least - 1)

@@ -461,3 +461,39 @@ def test_boolean_mask_dispatch_is_sized_by_the_routing():
     assert [(c["op"], c["top_k"], c["experts"]) for c in stats.routing["routers"]] == [("argmax", 1, 4)]
     rows = check_model("mask-dispatch", build, routing="balanced", labels=("70%", "least"))
     assert [r.budget for r in rows if r.bitwise] == ["70%", "least"], rows
+
+
+def test_the_blocks_of_a_mixture_of_experts_are_its_layers_not_one_layers_experts():
+    import torch
+    from torch import nn
+
+    from autosac.tools.sweep import repeated_blocks
+
+    class Expert(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+        def forward(self, x):
+            return self.down(torch.relu(self.up(x)))
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.ModuleList(Expert() for _ in range(4))
+
+        def forward(self, x):
+            return x + sum(e(x) for e in self.experts)
+
+    class MoE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(Layer() for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    stats = autosac.profile(MoE(), torch.randn(64, 32), target="cpu")
+    assert repeated_blocks(stats) == ["layers.0", "layers.1"]

@@ -14,7 +14,7 @@ import copy
 
 import pytest
 import torch
-from suite import A100_CPU_KERNELS, check_model, seeded
+from suite import A100_CPU_KERNELS, HF_SMALL, check_model, seeded
 from torch import nn
 
 import autosac
@@ -143,3 +143,14 @@ def test_a_generating_model_whose_forward_takes_no_use_cache_is_not_given_one():
     ref(x).sum().backward()
     work(x).sum().backward()
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(ref.parameters(), work.parameters()))
+
+
+def test_hf_config_dtype_is_the_weights_dtype():
+    pytest.importorskip("transformers")
+    from autosac.models.spec import build_from_spec
+
+    args = HF_SMALL["llama"]
+    model, _ = build_from_spec("hf:llama", [*args, "dtype=bfloat16"], batch=2, seq=64)
+    assert {p.dtype for p in model.parameters()} == {__import__("torch").bfloat16}
+    plain, _ = build_from_spec("hf:llama", args, batch=2, seq=64)
+    assert {p.dtype for p in plain.parameters()} == {__import__("torch").float32}

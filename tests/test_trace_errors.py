@@ -147,3 +147,13 @@ def test_planning_inside_a_users_profiler_is_refused_and_leaves_their_profile_wh
         torch.mm(torch.ones(8, 8), torch.ones(8, 8))
         prof.step()
     assert sum(e.name == "aten::mm" for e in prof.events()) == 1
+
+
+def test_inputs_that_do_not_fit_raise_one_clear_error_without_log_noise(capfd):
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    with pytest.raises(autosac.TraceError, match="check that example_inputs fit"):
+        autosac.profile(model, torch.randn(4, 5))
+    out, err = capfd.readouterr()
+    assert "Traceback" not in err and "fake_tensor" not in err
