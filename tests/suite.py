@@ -18,6 +18,7 @@ from autosac.core.devices import DEVICES
 from autosac.core.host import HostCosts
 from autosac.core.inputs import split_inputs
 from autosac.core.optim import default_loss
+from autosac.models import build_model
 from autosac.solver import least_peak, solve_stats
 from autosac.solver.problem import build_problem
 from autosac.trace.routing import RouterCall, forced
@@ -40,8 +41,12 @@ class Row:
     note: str = ""
 
 
-def training_step(model, inputs, loss_fn=None, seed: int = 1234, autocast=None):
-    """One step (forward, loss, backward, AdamW step); returns loss, grads, params, buffers."""
+def training_step(model, inputs, loss_fn=None, seed: int = 1234, autocast=None, optimizer_step: bool = True):
+    """One step (forward, loss, backward, AdamW step); returns loss, grads, params, buffers.
+
+    ``optimizer_step=False``: forward, loss and backward only, the gradients
+    cleared after and the weights untouched (the model can be stepped again as
+    it was); returns loss, grads."""
     loss_fn = loss_fn or default_loss
     args, kwargs = split_inputs(inputs)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
@@ -50,6 +55,9 @@ def training_step(model, inputs, loss_fn=None, seed: int = 1234, autocast=None):
         loss = loss_fn(model(*args, **kwargs))
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    if not optimizer_step:
+        model.zero_grad(set_to_none=True)
+        return loss.detach(), grads
     opt.step()
     opt.zero_grad(set_to_none=True)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -57,9 +65,13 @@ def training_step(model, inputs, loss_fn=None, seed: int = 1234, autocast=None):
     return loss.detach(), grads, params, buffers
 
 
-def assert_same_step(ref, other, inputs, loss_fn=None, autocast=None) -> None:
-    a = training_step(ref, inputs, loss_fn, autocast=autocast)
-    b = training_step(other, inputs, loss_fn, autocast=autocast)
+def assert_same_step(ref, other, inputs, loss_fn=None, autocast=None, optimizer_step: bool = True) -> None:
+    """One training step of ``ref`` and of ``other`` bitwise equal: loss,
+    gradients, and (``optimizer_step``) parameters after an AdamW step and
+    buffers.  ``optimizer_step=False``: loss and gradients of a forward and
+    backward that leave both models' weights as they were."""
+    a = training_step(ref, inputs, loss_fn, autocast=autocast, optimizer_step=optimizer_step)
+    b = training_step(other, inputs, loss_fn, autocast=autocast, optimizer_step=optimizer_step)
     assert torch.equal(a[0], b[0]), ("loss", a[0], b[0])
     for what, x, y in zip(("grad", "param", "buffer"), a[1:], b[1:]):
         assert x.keys() == y.keys(), what
@@ -151,7 +163,27 @@ HF_SMALL = {
 }
 
 
-__all__ = ["A100_CPU_KERNELS", "HF_SMALL", "Row", "assert_same_step", "check_model", "seeded", "training_step"]
+def gpt(config: dict, *, device: str = "cpu", batch: int = 4, **over) -> tuple:
+    """``build_model("gpt2", ...)`` with ``config`` (``over`` replacing some of
+    it), after ``torch.manual_seed(0)``: the same weights each call; returns
+    ``(model, idx)``."""
+    torch.manual_seed(0)
+    return build_model("gpt2", device=device, batch=batch, **{**config, **over})
+
+
+def lm_inputs(vocab: int, batch: int, seq: int) -> dict:
+    """A language model's batch for transformers: random token ids, also the labels."""
+    ids = torch.randint(0, vocab, (batch, seq))
+    return {"input_ids": ids, "labels": ids}
+
+
+def hf_loss(out):
+    """The loss a transformers model computed from its ``labels``."""
+    return out.loss
+
+
+__all__ = ["A100_CPU_KERNELS", "HF_SMALL", "Row", "assert_same_step", "check_model", "gpt", "hf_loss", "lm_inputs",
+           "seeded", "training_step"]
 
 
 def free_port() -> int:

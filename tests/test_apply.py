@@ -18,22 +18,11 @@ from autosac.solver import least_peak, plan_from_decisions
 from autosac.solver.problem import build_problem
 
 
-def _loss_and_grads(model, inputs, seed=1234):
-    torch.manual_seed(seed)
-    loss = autosac.core.optim.default_loss(model(*inputs) if isinstance(inputs, tuple) else model(inputs))
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return loss.detach(), grads
-
-
 def _assert_bitwise(ref, other, inputs):
-    l0, g0 = _loss_and_grads(ref, inputs)
-    l1, g1 = _loss_and_grads(other, inputs)
-    assert torch.equal(l0, l1)
-    assert g0.keys() == g1.keys()
-    for name in g0:
-        assert torch.equal(g0[name], g1[name]), name
+    """Loss and gradients of one forward and backward bitwise equal, no
+    optimizer step (both models' weights as they were: tests call it again on
+    the same models; test_apply_user_code.py imports it)."""
+    assert_same_step(ref, other, inputs, optimizer_step=False)
 
 
 def _budget_between(stats, frac):

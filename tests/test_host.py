@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from suite import A100_CPU_KERNELS
+from suite import A100_CPU_KERNELS, gpt
 from torch import nn
 
 import autosac
@@ -19,9 +19,7 @@ from autosac.tools.calibrate import calibrate
 ZERO = HostCosts()
 
 
-def _gpt():
-    torch.manual_seed(0)
-    return build_model("gpt2", device="meta", n_layer=4, dim=128, n_head=4, seq=128, vocab=256, batch=4)
+GPT = dict(n_layer=4, dim=128, n_head=4, seq=128, vocab=256)
 
 
 def test_host_costs_are_checked_and_travel_with_the_target():
@@ -36,7 +34,7 @@ def test_host_costs_are_checked_and_travel_with_the_target():
     assert HostCosts(backward_untimed_us=-3.0).backward_untimed_us == -3.0  # timing may count more than the engine pays
     spec = replace(A100_CPU_KERNELS, host=HostCosts(1.0, 2.0, 3.0, 4.0))
     assert DeviceSpec.from_dict(spec.to_dict()) == spec
-    model, idx = _gpt()
+    model, idx = gpt(GPT, device="meta", batch=4)
     stats = autosac.profile(model, idx, target=spec)
     assert stats.target["host"] == {"op_us": 1.0, "checkpoint_call_us": 2.0, "saved_tensor_us": 3.0,
                                     "selective_op_us": 4.0, "untimed_op_us": 0.0, "backward_op_us": None,
@@ -49,7 +47,7 @@ def test_host_costs_are_checked_and_travel_with_the_target():
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 def test_every_op_costs_at_least_the_host_dispatch(device_type):
     """On the CPU host time adds to each kernel; on a GPU they overlap (the longer counts)."""
-    model, idx = _gpt()
+    model, idx = gpt(GPT, device="meta", batch=4)
     base = replace(A100_CPU_KERNELS, device_type=device_type)
     floor_ms = 0.05
     zero = autosac.profile(model, idx, target=replace(base, host=ZERO), optimizer="none").timeline
@@ -78,7 +76,7 @@ def test_ops_timed_on_this_cpu_add_only_the_host_time_their_timing_does_not_see(
 
 
 def _plan(host: HostCosts, budget="least"):
-    model, idx = _gpt()
+    model, idx = gpt(GPT, device="meta", batch=4)
     stats = autosac.profile(model, idx, target=replace(A100_CPU_KERNELS, host=host), optimizer="sgd")
     return stats, autosac.solve(stats, budget)
 

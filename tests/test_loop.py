@@ -5,22 +5,16 @@ of the four keywords, which stay as a convenience."""
 import json
 
 import pytest
-import torch
+from suite import gpt
 
 import autosac
-from autosac.models import build_model
 
 CFG = dict(n_layer=2, dim=64, n_head=4, seq=256, vocab=128, dropout=0.0)
 LOOP = autosac.Loop(output_held=False, grad_accumulation=2, zero_grad="after_step", batches_ahead=1)
 
 
-def _gpt(device="cpu"):
-    torch.manual_seed(0)
-    return build_model("gpt2", device=device, batch=2, **CFG)
-
-
 def test_a_loop_profiles_exactly_as_its_keywords_and_stats_and_plans_carry_it():
-    model, idx = _gpt("meta")
+    model, idx = gpt(CFG, device="meta", batch=2)
     by_loop = autosac.profile(model, idx, optimizer="sgd", target="a100", loop=LOOP)
     by_keywords = autosac.profile(model, idx, optimizer="sgd", target="a100", output_held=False,
                                   grad_accumulation=2, batches_ahead=1)
@@ -36,7 +30,7 @@ def test_a_loop_profiles_exactly_as_its_keywords_and_stats_and_plans_carry_it():
 
 
 def test_solve_takes_a_loop_and_measure_runs_the_plans():
-    model, idx = _gpt()
+    model, idx = gpt(CFG, batch=2)
     plan = autosac.solve(model, "70%", idx, optimizer="sgd", target="cpu", loop=LOOP)
     assert plan.loop == LOOP
     autosac.apply(model, plan)
@@ -60,7 +54,7 @@ def test_a_bad_loop_is_refused_when_built(settings, message):
 
 
 def test_a_loop_and_its_keywords_together_are_refused_before_anything_runs():
-    model, idx = _gpt("meta")
+    model, idx = gpt(CFG, device="meta", batch=2)
     with pytest.raises(ValueError, match="not both: drop grad_accumulation"):
         autosac.profile(model, idx, loop=LOOP, grad_accumulation=4)
     with pytest.raises(ValueError, match="not both: drop output_held"):

@@ -21,7 +21,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from suite import assert_same_step, check_model, seeded
+from suite import assert_same_step, check_model, hf_loss, lm_inputs, seeded
 from torch import nn
 
 import autosac
@@ -178,11 +178,6 @@ def _sorted_split():
     return TinyMoELM(layers=4, moe="sorted-split").train(), torch.randint(0, 128, (8, 128))
 
 
-def _lm_inputs(vocab: int = 128, batch: int = 8, seq: int = 64) -> dict:
-    ids = torch.randint(0, vocab, (batch, seq))
-    return {"input_ids": ids, "labels": ids}
-
-
 def _mixtral(impl: str, jitter: float = 0.0):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.MixtralConfig(
@@ -190,7 +185,7 @@ def _mixtral(impl: str, jitter: float = 0.0):
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
         router_jitter_noise=jitter, use_cache=False)
     cfg._experts_implementation = impl
-    return lambda: (transformers.MixtralForCausalLM(cfg).train(), _lm_inputs())
+    return lambda: (transformers.MixtralForCausalLM(cfg).train(), lm_inputs(128, 8, 64))
 
 
 def _qwen3_moe(impl: str):
@@ -200,11 +195,7 @@ def _qwen3_moe(impl: str):
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
         max_position_embeddings=128, use_cache=False)
     cfg._experts_implementation = impl
-    return lambda: (transformers.Qwen3MoeForCausalLM(cfg).train(), _lm_inputs())
-
-
-def _hf_loss(out):
-    return out.loss
+    return lambda: (transformers.Qwen3MoeForCausalLM(cfg).train(), lm_inputs(128, 8, 64))
 
 
 def _token_loss(out):
@@ -212,10 +203,10 @@ def _token_loss(out):
 
 
 MOE = {
-    "mixtral-grouped_mm": (_mixtral("grouped_mm"), _hf_loss),
-    "mixtral-eager-jitter": (_mixtral("eager", jitter=0.1), _hf_loss),
-    "qwen3_moe-grouped_mm": (_qwen3_moe("grouped_mm"), _hf_loss),
-    "qwen3_moe-eager": (_qwen3_moe("eager"), _hf_loss),
+    "mixtral-grouped_mm": (_mixtral("grouped_mm"), hf_loss),
+    "mixtral-eager-jitter": (_mixtral("eager", jitter=0.1), hf_loss),
+    "qwen3_moe-grouped_mm": (_qwen3_moe("grouped_mm"), hf_loss),
+    "qwen3_moe-eager": (_qwen3_moe("eager"), hf_loss),
     "top2-capacity": (_top2, _token_loss),
     "sorted-split": (_sorted_split, _token_loss),
 }

@@ -10,11 +10,10 @@ import warnings
 
 import pytest
 import torch
-from suite import A100_CPU_KERNELS, assert_same_step, check_model, seeded
+from suite import A100_CPU_KERNELS, assert_same_step, check_model, gpt, seeded
 from torch import nn
 
 import autosac
-from autosac.models import build_model
 
 
 class BNStack(nn.Module):
@@ -203,13 +202,11 @@ def test_rnn_profiles_and_keeps_gradients():
     assert_same_step(ref, model, x)
 
 
-def _gpt(dropout=0.0):
-    torch.manual_seed(0)
-    return build_model("gpt2", device="cpu", batch=2, n_layer=2, dim=64, n_head=4, seq=64, vocab=256, dropout=dropout)
+GPT = dict(n_layer=2, dim=64, n_head=4, seq=64, vocab=256, dropout=0.0)
 
 
 def test_retain_graph_twice_and_gradient_penalty_work_like_plain_autograd():
-    model, idx = _gpt()
+    model, idx = gpt(GPT, batch=2)
     plan = autosac.solve(model, "92%", example_inputs=idx, target=A100_CPU_KERNELS)
     assert plan.decisions
     ref = copy.deepcopy(model)
@@ -235,7 +232,7 @@ def test_retain_graph_twice_and_gradient_penalty_work_like_plain_autograd():
 
 
 def test_torch_compile_of_an_applied_model_keeps_its_gradients():
-    model, idx = _gpt()
+    model, idx = gpt(GPT, batch=2)
     plan = autosac.solve(model, "92%", example_inputs=idx, target=A100_CPU_KERNELS)
     ref = copy.deepcopy(model)
     autosac.apply(model, plan)

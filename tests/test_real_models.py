@@ -14,7 +14,7 @@ import copy
 
 import pytest
 import torch
-from suite import A100_CPU_KERNELS, HF_SMALL, check_model, seeded
+from suite import A100_CPU_KERNELS, HF_SMALL, check_model, lm_inputs, seeded
 from torch import nn
 
 import autosac
@@ -22,28 +22,23 @@ import autosac
 transformers = pytest.importorskip("transformers")
 
 
-def _lm_inputs(vocab: int, batch: int = 4, seq: int = 128) -> dict:
-    ids = torch.randint(0, vocab, (batch, seq))
-    return {"input_ids": ids, "labels": ids}
-
-
 def _gpt2(attn: str, cache: bool):
     cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=128,
                                   attn_implementation=attn, use_cache=cache)
-    return lambda: (transformers.GPT2LMHeadModel(cfg).train(), _lm_inputs(128))
+    return lambda: (transformers.GPT2LMHeadModel(cfg).train(), lm_inputs(128, 4, 128))
 
 
 def _llama(attn: str, cache: bool):
     cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=172, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=128, max_position_embeddings=128,
                                    attn_implementation=attn, use_cache=cache)
-    return lambda: (transformers.LlamaForCausalLM(cfg).train(), _lm_inputs(128))
+    return lambda: (transformers.LlamaForCausalLM(cfg).train(), lm_inputs(128, 4, 128))
 
 
 def _bert(attn: str, cache: bool):
     cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=256, num_attention_heads=4,
                                   vocab_size=128, max_position_embeddings=128, attn_implementation=attn)
-    return lambda: (transformers.BertForMaskedLM(cfg).train(), _lm_inputs(128))
+    return lambda: (transformers.BertForMaskedLM(cfg).train(), lm_inputs(128, 4, 128))
 
 
 HF = [

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from suite import A100_CPU_KERNELS, gloo_group, run_ranks
+from suite import A100_CPU_KERNELS, gloo_group, gpt, run_ranks
 from torch import nn
 
 import autosac
@@ -20,11 +20,6 @@ BF16 = torch.bfloat16
 CFG = dict(n_layer=2, dim=64, n_head=4, seq=64, vocab=128)
 
 
-def _gpt(device="cpu", **over):
-    torch.manual_seed(0)
-    return build_model("gpt2", device=device, batch=4, **{**CFG, **over})
-
-
 def _stats(model, idx, **kw):
     return autosac.profile(model, idx, autocast=BF16, **kw)
 
@@ -33,7 +28,7 @@ def test_downcast_params_are_exactly_those_only_ever_cast():
     """Autocast runs linear layers in bf16, layer norms and embeddings in fp32:
     the blocks' Linear weights and biases are cast at every use; the tied
     embedding (a bf16 head and an fp32 lookup) and the norms are not."""
-    model, idx = _gpt("meta")
+    model, idx = gpt(CFG, device="meta")
     expect = [f"{m}.{p}" for m, mod in model.named_modules() if isinstance(mod, nn.Linear) and m.startswith("blocks")
               for p in ("weight", "bias")]
     assert zero3.downcast_params(_stats(model, idx)) == expect
@@ -41,7 +36,7 @@ def test_downcast_params_are_exactly_those_only_ever_cast():
 
 
 def test_installed_without_sharding_the_model_computes_the_same():
-    model, idx = _gpt()
+    model, idx = gpt(CFG)
     with torch.autocast("cpu", dtype=BF16):
         ref = model(idx)
     ref.float().sum().backward()
@@ -69,7 +64,7 @@ def _step_worker(rank, world, port, install, out_dir):
 
     torch.set_num_threads(1)
     with gloo_group(rank, world, port):
-        model, idx = _gpt()
+        model, idx = gpt(CFG)
         stats = _stats(model, idx)
         chosen = zero3.install_downcast_gather(model, stats) if install == "before" else []
         for block in model.blocks:
@@ -80,7 +75,7 @@ def _step_worker(rank, world, port, install, out_dir):
         # what each unit's all-gather must hand the collective: every parameter's
         # padded shard, in bf16 where downcast (computed here from shapes alone)
         expect = {}  # unit -> bytes: a block's parameters, or the root's (the rest)
-        for name, p in _gpt("meta")[0].named_parameters():
+        for name, p in gpt(CFG, device="meta")[0].named_parameters():
             unit = ".".join(name.split(".")[:2]) if name.startswith("blocks.") else ""
             expect[unit] = expect.get(unit, 0) + _padded_numel(p.shape, world) * (2 if name in chosen else 4)
         handed, real = [], getattr(dist, GATHER)
@@ -107,18 +102,18 @@ def _step_worker(rank, world, port, install, out_dir):
             torch.save({"loss": losses, "grads": grads, "params": params, "handed": handed},
                        Path(out_dir) / f"install-{install}.pt")
         if install == "before":  # FSDP2's own mixed precision as well: refused before any gather
-            model, idx = _gpt()
+            model, idx = gpt(CFG)
             zero3.install_downcast_gather(model, _stats(model, idx))
             fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=BF16))
             with pytest.raises(ValueError, match="use one of them"):
                 model(idx)
         if install == "after":  # refused on a model whose FSDP2 has gathered already, or with param_dtype
-            model, idx = _gpt()
+            model, idx = gpt(CFG)
             fully_shard(model)
             model(idx)
             with pytest.raises(ValueError, match="before its first step"):
                 zero3.install_downcast_gather(model, stats)
-            model, idx = _gpt()
+            model, idx = gpt(CFG)
             fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=BF16))
             with pytest.raises(ValueError, match="shard without param_dtype"):
                 zero3.install_downcast_gather(model, stats)
@@ -142,7 +137,7 @@ def test_fsdp2_step_is_bitwise_the_same_and_gathers_half_the_bytes(tmp_path, wor
         assert torch.equal(base["grads"][name], got["grads"][name]), name
         assert torch.equal(base["params"][name], got["params"][name]), name
     saved = sum(base["handed"]) - sum(got["handed"])
-    model, idx = _gpt("meta")
+    model, idx = gpt(CFG, device="meta")
     chosen = zero3.downcast_params(_stats(model, idx))
     per_step = sum(_padded_numel(model.get_parameter(f).shape, world) * 2 for f in chosen)
     assert saved == 2 * 2 * per_step  # each block gathered in forward and backward, two steps
@@ -188,7 +183,7 @@ def test_the_planner_counts_downcast_gathers_as_fsdp2_holds_them(tmp_path):
 
 
 def test_bad_input_is_one_clear_error_and_changes_nothing():
-    model, idx = _gpt()
+    model, idx = gpt(CFG)
     stats = _stats(model, idx)
     before = dict(model.named_parameters())
 
@@ -205,13 +200,13 @@ def test_bad_input_is_one_clear_error_and_changes_nothing():
         # 'least': on the default h100 target cuBLAS's 64 MiB workspace leaves this tiny model no 80 %
         zero3.install_downcast_gather(model, autosac.solve(stats, "least"))
     with pytest.raises(PlanMismatchError, match="profile this model"):
-        zero3.install_downcast_gather(_gpt(n_layer=3)[0], stats)
+        zero3.install_downcast_gather(gpt(CFG, n_layer=3)[0], stats)
     with pytest.raises(TypeError, match="ModelStats or autosac.Plan"):
         zero3.install_downcast_gather(model, "plan.json")
     with pytest.raises(TypeError, match="nn.Module"):
         zero3.install_downcast_gather(stats, stats)
     assert unchanged()
-    mixed = autosac.profile(*_gpt("meta"), world_size=2, param_dtype=BF16)
+    mixed = autosac.profile(*gpt(CFG, device="meta"), world_size=2, param_dtype=BF16)
     with pytest.raises(ValueError, match="profile without param_dtype"):
         zero3.with_downcast_gather(mixed)
 
@@ -234,7 +229,7 @@ def _meta_worker(rank, world, port, when):
     from torch.distributed.fsdp import fully_shard
 
     with gloo_group(rank, world, port):
-        model, idx = _gpt("meta")
+        model, idx = gpt(CFG, device="meta")
         stats = _stats(model, idx)
         if when == "before":
             zero3.install_downcast_gather(model, stats)
@@ -286,7 +281,7 @@ def test_the_installed_model_keeps_its_parameter_objects_and_plain_checkpoints()
     import copy
     import io
 
-    model, idx = _gpt()
+    model, idx = gpt(CFG)
     weight = model.blocks[0].mlp.fc.weight
     opt = torch.optim.SGD(model.parameters(), lr=0.1)  # made before the install
     zero3.install_downcast_gather(model, _stats(model, idx))
@@ -315,7 +310,7 @@ def _changed_worker(rank, world, port, change):
     from torch.distributed.fsdp import fully_shard
 
     with gloo_group(rank, world, port):
-        model, idx = _gpt()
+        model, idx = gpt(CFG)
         zero3.install_downcast_gather(model, _stats(model, idx))
         if change == "data":
             model.blocks[0].mlp.fc.weight.data = torch.zeros(256, 64)
@@ -342,7 +337,7 @@ def test_the_cli_plans_with_downcast_gathers(tmp_path, capsys):
     assert "downcast gather  16 parameters gathered in bfloat16" in out
     plan = autosac.Plan.load(tmp_path / "p.json")
     assert len(plan.gathered_dtypes) == 16
-    model, _ = _gpt()
+    model, _ = gpt(CFG)
     assert len(zero3.install_downcast_gather(model, plan)) == 16
     assert main([*common, "--downcast-gather"]) == 2
     err = capsys.readouterr().err.strip()

@@ -40,6 +40,7 @@ import importlib.util
 from collections.abc import Callable
 
 import torch
+from suite import hf_loss
 from torch import nn
 from torch.nn import functional as F
 
@@ -51,17 +52,13 @@ SEQ = 128
 LAYERS = 4
 
 
-def _hf_loss(out):
-    return out.loss
-
-
 def _ids(batch: int = BATCH, seq: int = SEQ, vocab: int = VOCAB) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, seq))
 
 
 def _lm(model: nn.Module, batch: int = BATCH, seq: int = SEQ) -> tuple:
     ids = _ids(batch, seq)
-    return model.train(), {"input_ids": ids, "labels": ids}, _hf_loss
+    return model.train(), {"input_ids": ids, "labels": ids}, hf_loss
 
 
 # ---------------------------------------------------------------- transformers
@@ -82,7 +79,7 @@ def build_t5():
                       decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, use_cache=True,
                       attn_implementation="sdpa")
     model = tf.T5ForConditionalGeneration(cfg)
-    return model.train(), {"input_ids": _ids(), "labels": _ids(seq=SEQ // 2)}, _hf_loss
+    return model.train(), {"input_ids": _ids(), "labels": _ids(seq=SEQ // 2)}, hf_loss
 
 
 def build_whisper():
@@ -98,7 +95,7 @@ def build_whisper():
     # the encoder takes exactly 2 * max_source_positions frames
     features = torch.randn(BATCH, cfg.num_mel_bins, 2 * cfg.max_source_positions)
     labels = _ids(seq=64)
-    return model.train(), {"input_features": features, "labels": labels}, _hf_loss
+    return model.train(), {"input_features": features, "labels": labels}, hf_loss
 
 
 def build_gemma2():
@@ -153,7 +150,7 @@ def build_clip():
     model = tf.CLIPModel(cfg)
     batch = 8
     inputs = {"input_ids": _ids(batch, 32), "pixel_values": torch.randn(batch, 3, 64, 64), "return_loss": True}
-    return model.train(), inputs, _hf_loss
+    return model.train(), inputs, hf_loss
 
 
 def build_gpt2():
