@@ -96,6 +96,19 @@ def pack_downcast(tensors, dtype: torch.dtype = torch.bfloat16, *, out: torch.Te
         >>> autosac.ops.pack_downcast([torch.ones(2, 3), torch.zeros(4)], torch.bfloat16).shape
         torch.Size([10])
     """
+    if isinstance(tensors, (list, tuple)) and tensors and isinstance(tensors[0], torch.Tensor) \
+            and _native_for(tensors[0].device.type) \
+            and (out is None or isinstance(out, torch.Tensor) and out.device == tensors[0].device):
+        # the op checks everything before it writes: the checks below only name what was wrong
+        try:
+            if out is None:
+                return torch.ops.autosac.pack_downcast(tensors, dtype)
+            return torch.ops.autosac.pack_downcast.out(tensors, dtype, out=out)
+        except (RuntimeError, TypeError):
+            checked = _check(tensors, dtype)
+            if out is not None:
+                _check_out(checked, dtype, out)
+            raise
     tensors = _check(tensors, dtype)
     if not tensors:  # nothing to pack: an empty buffer (on out's device, else the CPU)
         if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != dtype or out.shape != (0,)):
@@ -103,12 +116,12 @@ def pack_downcast(tensors, dtype: torch.dtype = torch.bfloat16, *, out: torch.Te
         return out if out is not None else torch.empty(0, dtype=dtype)
     if out is not None:
         _check_out(tensors, dtype, out)
-    device = tensors[0].device.type
-    if device in ("cpu", "meta", "cuda") and native.available() and (device != "cuda" or native.has_cuda_kernel()):
-        if out is None:
-            return torch.ops.autosac.pack_downcast(tensors, dtype)
-        return torch.ops.autosac.pack_downcast.out(tensors, dtype, out=out)
     return _fallback(tensors, dtype, out)
+
+
+def _native_for(device: str) -> bool:
+    """Whether the native op runs on tensors of this device type."""
+    return device in ("cpu", "meta", "cuda") and native.available() and (device != "cuda" or native.has_cuda_kernel())
 
 
 def allgather_downcast(tensors, dtype: torch.dtype = torch.bfloat16, group=None) -> list[torch.Tensor]:
