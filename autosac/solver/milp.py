@@ -148,16 +148,35 @@ def milp_needs(problem: Problem, budget_bytes: int) -> list[_Need]:
     return _prune(_needs(problem), float(budget_bytes), problem)
 
 
-def build_milp(problem: Problem, budget_bytes: int | None) -> MatrixMILP:
-    """The budgeted problem, or with ``budget_bytes=None`` the least-peak problem
-    (minimise a peak variable ``P`` that stands in for the budget)."""
+class _Rows:
+    """Constraint rows ``lo <= A x <= hi``, built one at a time."""
+
+    def __init__(self) -> None:
+        self.rows, self.cols, self.vals, self.lo, self.hi = [], [], [], [], []
+
+    def add(self, entries, low: float, high: float) -> None:
+        r = len(self.lo)
+        for cidx, v in entries:
+            self.rows.append(r)
+            self.cols.append(cidx)
+            self.vals.append(v)
+        self.lo.append(low)
+        self.hi.append(high)
+
+    def matrix(self, n_cols: int):
+        return sparse.csr_matrix((self.vals, (self.rows, self.cols)), shape=(len(self.lo), n_cols))
+
+
+def _columns(problem: Problem):
+    """Column indices: ``z[i]`` (candidate ``i``'s choices, binary), then
+    ``y[s, r]`` (shared hold ``s`` held at events up to release ``r``: some
+    chosen holder's backward ends at or after ``r``) and the holders each
+    ``y`` column stands for."""
     cands = problem.candidates
     z_index, col = [], 0
     for c in cands:
         z_index.append(list(range(col, col + len(c.bytes))))
         col += len(c.bytes)
-    n_z = col
-    # y[s, r]: shared hold s is held at events up to release r (some chosen holder's backward ends at or after r)
     y_col: dict[tuple[int, int], int] = {}
     held_cols: dict[int, list[int]] = {}
     for si, s in enumerate(problem.shared):
@@ -165,44 +184,35 @@ def build_milp(problem: Problem, budget_bytes: int | None) -> MatrixMILP:
             y_col[si, r] = col
             held_cols[col] = [i for i in s.holders if cands[i].bw_end >= r]
             col += 1
-    least_peak = budget_bytes is None
-    n_cols = col + (1 if least_peak else 0)
-    peak_col = col if least_peak else None
+    return z_index, y_col, held_cols, col
 
-    rows, cols, vals, lo, hi = [], [], [], [], []
 
-    def add(entries, low, high):
-        r = len(lo)
-        for cidx, v in entries:
-            rows.append(r)
-            cols.append(cidx)
-            vals.append(v)
-        lo.append(low)
-        hi.append(high)
-
-    # one choice per root-to-leaf path
+def _structure_rows(rows: _Rows, problem: Problem, z_index, y_col) -> None:
+    """One choice per root-to-leaf path; the calls of one module choose
+    alike; a shared hold is held to the last chosen holder's release."""
+    cands = problem.candidates
     has_child = {a for c in cands for a in c.ancestors}
     for i, c in enumerate(cands):
         members = [i] if i in has_child else [i, *c.ancestors]
-        add([(zc, 1.0) for k in members for zc in z_index[k]], -np.inf, 1.0)
-
-    # the calls of one module choose alike (one policy for every call)
-    for group in problem.linked:
+        rows.add([(zc, 1.0) for k in members for zc in z_index[k]], -np.inf, 1.0)
+    for group in problem.linked:  # one policy for every call
         for other in group[1:]:
             for a, b in zip(z_index[group[0]], z_index[other]):
-                add([(a, 1.0), (b, -1.0)], 0.0, 0.0)
-
-    # shared holds: y[s, r] >= y[s, r'] for the next release r', and >= z of each holder released at r
+                rows.add([(a, 1.0), (b, -1.0)], 0.0, 0.0)
+    # y[s, r] >= y[s, r'] for the next release r', and >= z of each holder released at r
     for si, s in enumerate(problem.shared):
         rs = sorted({cands[i].bw_end for i in s.holders})
         for r, nxt in zip(rs, rs[1:]):
-            add([(y_col[si, r], 1.0), (y_col[si, nxt], -1.0)], 0.0, np.inf)
+            rows.add([(y_col[si, r], 1.0), (y_col[si, nxt], -1.0)], 0.0, np.inf)
         for i in s.holders:
-            add([(y_col[si, cands[i].bw_end], 1.0)] + [(zc, -1.0) for zc in z_index[i]], 0.0, np.inf)
+            rows.add([(y_col[si, cands[i].bw_end], 1.0)] + [(zc, -1.0) for zc in z_index[i]], 0.0, np.inf)
 
-    # memory: savings of the covering candidates, less the holds of those in
-    # their backward (and the recomputing one's work) >= live - budget
-    floor = -np.inf if least_peak else float(budget_bytes)
+
+def _memory_rows(rows: _Rows, problem: Problem, budget_bytes: int | None, z_index, y_col, peak_col) -> None:
+    """Savings of the covering candidates, less the holds of those in their
+    backward (and the recomputing one's work) >= live - budget (or - P)."""
+    cands = problem.candidates
+    floor = -np.inf if budget_bytes is None else float(budget_bytes)
     for nd in _prune(_needs(problem), floor, problem):
         entries = [(zc, b / MIB) for i in _bits(nd.cover) for zc, b in zip(z_index[i], cands[i].bytes)]
         entries += [(zc, -cands[i].hold / MIB) for i in _bits(nd.penalty) for zc in z_index[i]]
@@ -210,11 +220,23 @@ def build_milp(problem: Problem, budget_bytes: int | None) -> MatrixMILP:
             w = cands[nd.work_of]
             entries += [(zc, -(x + w.hold) / MIB) for zc, x in zip(z_index[nd.work_of], w.work)]
         entries += [(y_col[key], -problem.shared[key[0]].bytes / MIB) for key in nd.shared]
-        if least_peak:
-            add(entries + [(peak_col, 1.0)], nd.bytes / MIB, np.inf)
+        if budget_bytes is None:
+            rows.add(entries + [(peak_col, 1.0)], nd.bytes / MIB, np.inf)
         else:
-            add(entries, (nd.bytes - budget_bytes) / MIB, np.inf)
+            rows.add(entries, (nd.bytes - budget_bytes) / MIB, np.inf)
 
+
+def build_milp(problem: Problem, budget_bytes: int | None) -> MatrixMILP:
+    """The budgeted problem, or with ``budget_bytes=None`` the least-peak problem
+    (minimise a peak variable ``P`` that stands in for the budget)."""
+    z_index, y_col, held_cols, col = _columns(problem)
+    n_z = sum(len(z) for z in z_index)
+    least_peak = budget_bytes is None
+    n_cols = col + (1 if least_peak else 0)
+    peak_col = col if least_peak else None
+    rows = _Rows()
+    _structure_rows(rows, problem, z_index, y_col)
+    _memory_rows(rows, problem, budget_bytes, z_index, y_col, peak_col)
     lb = np.zeros(n_cols)
     ub = np.ones(n_cols)
     c_vec = np.zeros(n_cols)
@@ -222,12 +244,12 @@ def build_milp(problem: Problem, budget_bytes: int | None) -> MatrixMILP:
         ub[peak_col] = np.inf
         c_vec[peak_col] = 1.0
     else:
-        for i, cand in enumerate(cands):
+        for i, cand in enumerate(problem.candidates):
             c_vec[z_index[i]] = cand.ms
     integer = np.zeros(n_cols, dtype=np.int8)
     integer[:n_z] = 1
-    A = sparse.csr_matrix((vals, (rows, cols)), shape=(len(lo), n_cols))
-    return MatrixMILP(c_vec, A, np.array(lo), np.array(hi), lb, ub, integer, z_index, peak_col, held_cols)
+    return MatrixMILP(c_vec, rows.matrix(n_cols), np.array(rows.lo), np.array(rows.hi), lb, ub, integer, z_index,
+                      peak_col, held_cols)
 
 
 def with_objective_bound(m: MatrixMILP, lower: float) -> MatrixMILP:
