@@ -88,45 +88,23 @@ def fit_for_compile(model, stats: ModelStats, budget, example_inputs, *, backend
                          "eager peak, which the compiled step need not reach")
     budget_bytes = usable_budget(budget, reserve, problem.baseline_peak)
     solve_kwargs.update(max_choices=max_choices, problem=problem)
-    tolerance = max(budget_bytes // 200, 1)  # stop refining when the eager budgets tried are 0.5 % apart
-    fits: list[tuple[Plan, int, int]] = []  # (plan, its compiled peak, the eager budget it was solved for)
-    peaks: list[int] = []
-    tried: set[int] = set()
-    lowest: int | None = None  # the least eager peak any plan reaches, once known
-    fit_at, fail_at = None, None  # the highest eager budget whose plan fit, the lowest whose plan did not
+    search = _EagerBudgets(budget_bytes)
     inner = budget_bytes
-    while len(peaks) < MAX_ROUNDS and inner not in tried:
-        tried.add(inner)
+    while len(search.peaks) < MAX_ROUNDS and inner not in search.tried:
+        search.tried.add(inner)
         try:
             plan = solve_stats(stats, inner, **solve_kwargs)
         except InfeasibleBudgetError as e:
-            if lowest is not None:
+            if search.lowest is not None:
                 break
-            lowest = inner = e.min_feasible_bytes  # try the least-peak plan itself
+            search.lowest = inner = e.min_feasible_bytes  # try the least-peak plan itself
             continue
         peak = _compiled_peak_of(model, plan, example_inputs, loss_fn, optimizer, backend, stats)
         peak += stats.checkpoint_state_bytes * len(plan.decisions)  # RNG state a graph-broken region keeps
-        peaks.append(peak)
-        if peak <= budget_bytes:
-            fits.append((plan, peak, inner))
-            fit_at = max(fit_at or 0, inner)
-            if inner == budget_bytes:
-                break  # the eager optimum fits: no plan recomputes less
-        else:
-            fail_at = inner if fail_at is None else min(fail_at, inner)
-        if fit_at is not None:  # bisect between a fit and a failure
-            if fail_at is None or fail_at - fit_at <= tolerance:
-                break
-            inner = (fit_at + fail_at) // 2
-        else:  # lower the eager budget by the overshoot, not below the least eager peak
-            inner = plan.predicted_peak_bytes - (peak - budget_bytes)
-            if lowest is not None:
-                inner = max(inner, lowest)
-            if inner in tried and lowest is not None:
-                # compiled peaks are not monotone in the eager budget: probe the widest untried gap
-                inner = _widest_gap_middle(sorted(tried | {budget_bytes}), tolerance)
-                if inner is None:
-                    break
+        inner = search.next(plan, peak, inner)
+        if inner is None:
+            break
+    fits, peaks = search.fits, search.peaks
     if not fits:
         least = min(peaks) if peaks else budget_bytes
         raise InfeasibleBudgetError(
@@ -141,6 +119,46 @@ def fit_for_compile(model, stats: ModelStats, budget, example_inputs, *, backend
     plan.predicted_peak_bytes = peak
     plan.budget_bytes = budget_bytes
     return plan
+
+
+class _EagerBudgets:
+    """The eager budgets :func:`fit_for_compile` tries, and what each gave:
+    the plans that fit (plan, compiled peak, eager budget), every compiled
+    peak, the budgets tried, the least eager peak once known."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget = budget_bytes
+        self.tolerance = max(budget_bytes // 200, 1)  # stop refining when the eager budgets tried are 0.5 % apart
+        self.fits: list[tuple[Plan, int, int]] = []
+        self.peaks: list[int] = []
+        self.tried: set[int] = set()
+        self.lowest: int | None = None  # the least eager peak any plan reaches, once known
+        self.fit_at: int | None = None  # the highest eager budget whose plan fit
+        self.fail_at: int | None = None  # the lowest whose plan did not
+
+    def next(self, plan: Plan, peak: int, inner: int) -> int | None:
+        """Record ``plan`` (solved for eager budget ``inner``, compiled peak
+        ``peak``); the eager budget to try next, or None to stop."""
+        self.peaks.append(peak)
+        if peak <= self.budget:
+            self.fits.append((plan, peak, inner))
+            self.fit_at = max(self.fit_at or 0, inner)
+            if inner == self.budget:
+                return None  # the eager optimum fits: no plan recomputes less
+        else:
+            self.fail_at = inner if self.fail_at is None else min(self.fail_at, inner)
+        if self.fit_at is not None:  # bisect between a fit and a failure
+            if self.fail_at is None or self.fail_at - self.fit_at <= self.tolerance:
+                return None
+            return (self.fit_at + self.fail_at) // 2
+        # lower the eager budget by the overshoot, not below the least eager peak
+        inner = plan.predicted_peak_bytes - (peak - self.budget)
+        if self.lowest is not None:
+            inner = max(inner, self.lowest)
+        if inner in self.tried and self.lowest is not None:
+            # compiled peaks are not monotone in the eager budget: probe the widest untried gap
+            return _widest_gap_middle(sorted(self.tried | {self.budget}), self.tolerance)
+        return inner
 
 
 _FUSED_NON_POINTWISE = {"_to_copy", "_unsafe_view", "alias", "detach"}  # a cast, aliases
