@@ -803,3 +803,67 @@ def test_frozen_tail():
 def test_unapply_of_something_else_is_a_type_error():
     with pytest.raises(TypeError, match="unapply needs an nn.Module, got str"):
         autosac.unapply("x")
+
+
+def test_a_deleted_planned_model_frees_its_checkpointed_modules_at_once():
+    """A checkpointed module and the forward apply sets on it refer to each
+    other: before, a deleted model's checkpointed modules (weights, gradients)
+    stayed allocated until the garbage collector ran -- on an H200 a benchmark
+    building one planned gpt2 after another read 324 MiB more per model.  The
+    same for a deep copy; a block kept after its model is gone still runs its
+    plan, with the same gradients."""
+    import gc
+    import pickle
+    import weakref
+
+    from suite import gpt
+
+    cfg = dict(n_layer=2, dim=64, n_head=4, seq=256, vocab=128, dropout=0.0)
+    model, idx = gpt(cfg, batch=2)
+    plan = autosac.solve(autosac.profile(model, idx, optimizer="sgd", target="cpu"), "least")
+    checkpointed = sorted(plan.decisions)
+    assert checkpointed
+    gc.collect()
+    gc.disable()
+    try:
+        for copied in (False, True):
+            planned = autosac.apply(gpt(cfg, batch=2)[0], plan)
+            if copied:
+                planned = copy.deepcopy(planned)
+            planned(idx).float().sum().backward()
+            alive = [weakref.ref(planned.get_submodule(f)) for f in checkpointed]
+            del planned
+            assert [r() for r in alive] == [None] * len(alive), "checkpointed modules kept alive by a cycle"
+        planned = autosac.apply(gpt(cfg, batch=2)[0], plan)
+        block = planned.get_submodule(checkpointed[0])
+        fresh = gpt(cfg, batch=2)[0]  # the same weights, no plan
+        reference = fresh.get_submodule(checkpointed[0])
+        del planned
+        assert type(block.__dict__["forward"]).__name__ == "_WeakForward"
+        x = torch.randn(2, cfg["seq"], cfg["dim"], requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        saved = {"planned": 0, "plain": 0}
+
+        def counting(key):
+            def pack(t):
+                saved[key] += 1
+                return t
+            return pack
+
+        with torch.autograd.graph.saved_tensors_hooks(counting("planned"), lambda t: t):
+            out = block(x)
+        out.sum().backward()
+        with torch.autograd.graph.saved_tensors_hooks(counting("plain"), lambda t: t):
+            out_ref = reference(x_ref)
+        out_ref.sum().backward()
+        assert saved["planned"] < saved["plain"]  # still checkpointed: fewer tensors saved
+        assert torch.equal(x.grad, x_ref.grad)
+        for p, q in zip(block.parameters(), reference.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        again = pickle.loads(pickle.dumps(block))  # the block alone still pickles, with its plan
+        assert type(again.__dict__["forward"]).__name__ == "CheckpointedForward"
+        held = weakref.ref(block)
+        del block
+        assert held() is None
+    finally:
+        gc.enable()
