@@ -89,6 +89,7 @@ def fit_for_compile(model, stats: ModelStats, budget, example_inputs, *, backend
     budget_bytes = usable_budget(budget, reserve, problem.baseline_peak)
     solve_kwargs.update(max_choices=max_choices, problem=problem)
     search = _EagerBudgets(budget_bytes)
+    traced: dict[tuple, int] = {}  # applied_key -> compiled peak
     inner = budget_bytes
     while len(search.peaks) < MAX_ROUNDS and inner not in search.tried:
         search.tried.add(inner)
@@ -99,8 +100,12 @@ def fit_for_compile(model, stats: ModelStats, budget, example_inputs, *, backend
                 break
             search.lowest = inner = e.min_feasible_bytes  # try the least-peak plan itself
             continue
-        peak = _compiled_peak_of(model, plan, example_inputs, loss_fn, optimizer, backend, stats)
-        peak += stats.checkpoint_state_bytes * len(plan.decisions)  # RNG state a graph-broken region keeps
+        key = applied_key(plan)
+        peak = traced.get(key)
+        if peak is None:  # neighbouring eager budgets often give the same plan: its compiled step is traced once
+            peak = _compiled_peak_of(model, plan, example_inputs, loss_fn, optimizer, backend, stats)
+            peak += stats.checkpoint_state_bytes * len(plan.decisions)  # RNG state a graph-broken region keeps
+            traced[key] = peak
         inner = search.next(plan, peak, inner)
         if inner is None:
             break
@@ -119,6 +124,13 @@ def fit_for_compile(model, stats: ModelStats, budget, example_inputs, *, backend
     plan.predicted_peak_bytes = peak
     plan.budget_bytes = budget_bytes
     return plan
+
+
+def applied_key(plan: Plan) -> tuple:
+    """What the applied model runs, for telling plans apart: per checkpointed
+    module, the calls its policy saves and skips (two plans with equal keys
+    compile to the same step)."""
+    return tuple(sorted((fqn, len(d.calls), tuple(d.save), tuple(d.skip)) for fqn, d in plan.details.items()))
 
 
 class _EagerBudgets:
