@@ -486,9 +486,17 @@ def test_fitting_traces_each_distinct_plan_once(monkeypatch):
         return real(model, plan, *args, **kwargs)
 
     monkeypatch.setattr(fit, "_compiled_peak_of", recording)
+    monkeypatch.setattr(fit, "MIN_GAIN", 0.0)  # refine to the end: the search comes back to a plan
     torch.manual_seed(0)
     model, idx = build_model("gpt2", device="cpu", batch=4, **FIT_CFG)
-    plan = autosac.solve(model, "65%", idx, optimizer="sgd", target=A100_CPU_KERNELS, compile="aot_eager")
+    full = autosac.solve(model, "65%", idx, optimizer="sgd", target=A100_CPU_KERNELS, compile="aot_eager")
     assert len(keys) == len(set(keys)), "a plan's compiled step was traced twice"
-    assert plan.compiled["rounds"] > len(keys)  # a plan was proposed again, and not traced again
+    assert full.compiled["rounds"] > len(keys)  # a plan was proposed again, and not traced again
+    assert full.predicted_peak_bytes <= full.budget_bytes
+    # by default the search stops once what is left to win is under 0.5 % of the step: fewer rounds,
+    # and a plan that recomputes at most that much more than the full search's
+    monkeypatch.undo()
+    plan = autosac.solve(model, "65%", idx, optimizer="sgd", target=A100_CPU_KERNELS, compile="aot_eager")
+    assert plan.compiled["rounds"] < full.compiled["rounds"]
+    assert plan.recompute_ms <= full.recompute_ms + fit.MIN_GAIN * full.baseline_step_ms + 1e-9
     assert plan.predicted_peak_bytes <= plan.budget_bytes

@@ -38,6 +38,7 @@ __all__ = ["fit_for_compile", "fused_recompute_costs", "check_backend", "check_r
 
 COMPILE_BACKENDS = ("inductor", "aot_eager")  # backends whose compiled step is traced (trace/compiled.py)
 MAX_ROUNDS = 8
+MIN_GAIN = 0.005  # stop refining a fit that can win at most this fraction of the step
 
 
 def fit_for_compile(model, stats: ModelStats, budget, example_inputs, *, backend: str,
@@ -88,7 +89,7 @@ def fit_for_compile(model, stats: ModelStats, budget, example_inputs, *, backend
                          "eager peak, which the compiled step need not reach")
     budget_bytes = usable_budget(budget, reserve, problem.baseline_peak)
     solve_kwargs.update(max_choices=max_choices, problem=problem)
-    search = _EagerBudgets(budget_bytes)
+    search = _EagerBudgets(budget_bytes, min_gain_ms=MIN_GAIN * stats.step_ms)
     traced: dict[tuple, int] = {}  # applied_key -> compiled peak
     inner = budget_bytes
     while len(search.peaks) < MAX_ROUNDS and inner not in search.tried:
@@ -138,9 +139,14 @@ class _EagerBudgets:
     the plans that fit (plan, compiled peak, eager budget), every compiled
     peak, the budgets tried, the least eager peak once known."""
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, min_gain_ms: float = 0.0) -> None:
         self.budget = budget_bytes
         self.tolerance = max(budget_bytes // 200, 1)  # stop refining when the eager budgets tried are 0.5 % apart
+        # ... or when what is left to win is this little: a plan for an eager budget between a fit and
+        # a failure recomputes at least what the failure's does (the eager optimum only falls as the
+        # budget grows), so the fit's recompute less the failure's bounds the gain
+        self.min_gain_ms = min_gain_ms
+        self.fail_ms: float | None = None  # the recompute of the plan at fail_at
         self.fits: list[tuple[Plan, int, int]] = []
         self.peaks: list[int] = []
         self.tried: set[int] = set()
@@ -157,10 +163,13 @@ class _EagerBudgets:
             self.fit_at = max(self.fit_at or 0, inner)
             if inner == self.budget:
                 return None  # the eager optimum fits: no plan recomputes less
-        else:
-            self.fail_at = inner if self.fail_at is None else min(self.fail_at, inner)
+        elif self.fail_at is None or inner < self.fail_at:
+            self.fail_at, self.fail_ms = inner, plan.recompute_ms
         if self.fit_at is not None:  # bisect between a fit and a failure
             if self.fail_at is None or self.fail_at - self.fit_at <= self.tolerance:
+                return None
+            best = min(p.recompute_ms for p, _, _ in self.fits)
+            if best - self.fail_ms <= self.min_gain_ms:
                 return None
             return (self.fit_at + self.fail_at) // 2
         # lower the eager budget by the overshoot, not below the least eager peak
