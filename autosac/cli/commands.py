@@ -88,24 +88,21 @@ class _Progress:
         return show
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{value:g} is not positive")
-    return value
+def _positive(convert, what: str):
+    """An argparse type: ``convert(text)``, refused in one line unless it is above 0."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{value if isinstance(value, int) else format(value, 'g')} is not positive")
+        return value
+    return parse
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not positive")
-    return value
+_positive_float = _positive(float, "a number")
+_positive_int = _positive(int, "a whole number")
 
 
 def _profile_options(args) -> dict:
