@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU measurement the project claims, in about five minutes on one H100 or H200.  The steps' limits
-# add up to 575 s.  On a fresh H200 (2026-11-26, torch 2.11) the steps took 256 s where Inductor's and
-# autosac's caches were warm; a fresh machine's first compiles and host calibration took longer
+# add up to 615 s; they run most telling first, and each step's results are copied under $OUT as it ends.
+# On a fresh H200 (2026-11-26, torch 2.11) the steps took 256 s where Inductor's and autosac's caches were warm; a fresh machine's first compiles and host calibration took longer
 # (gpu_compile --quick then ran past 120 s, and gpu_verify past 60 s): hence the calibrate step first, which
 # the later steps read from the cache, and the limits below.
 #
@@ -20,6 +20,8 @@
 #   gpu_compile.md            compiled plans against torch.compile's activation_memory_budget
 #   gpu_overhead.txt          plans against torch.utils.checkpoint and torch's SAC at their peaks
 #   gpu_hf_gpt2.txt           transformers GPT-2: autosac's plan against its own gradient checkpointing
+#   gpu_peak_snapshot_70.txt  the 16-layer Llama planned at 70 %: what the allocator holds at the step's peak,
+#                             by the source line that allocated it
 #   bench_search_gpu.md       autosac.search: built-in gpt2, bf16, 20 GiB, batch 4..64: the predicted choice
 #                             against every feasible candidate run, peaks within the memory
 # Each step has a time limit; one that runs out is said so in summary.txt, and the others still run.
@@ -50,23 +52,30 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, and note t
   local note="exit $rc"
   [ "$rc" = 124 ] && note="TIMED OUT after $limit s"
   echo "$name: $note in $(( $(date +%s) - start )) s" | tee -a "$DIR/summary.txt"
+  if [ -n "${OUT:-}" ]; then  # after every step: a run cut short by its runner still brings back what is done
+    mkdir -p "$OUT/$(basename "$DIR")" && cp "$DIR"/* "$OUT/$(basename "$DIR")/"
+  fi
 }
 
 step calibrate 60 python3 -m autosac.cli calibrate
-step tests 45 sh -c "python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > '$DIR/tests.txt' 2>&1"
-step pack_downcast 30 python3 benchmarks/pack_downcast_cuda.py --out-dir "$DIR"
 if [ "${FULL:-0}" = 1 ]; then
   step gpu_compile 1500 python3 benchmarks/gpu_compile.py "$DIR/gpu_compile.md"
-  step gpu_verify 600 python3 benchmarks/gpu_verify.py "$DIR/gpu_verify.md"
-  step gpu_overhead 600 sh -c "python3 benchmarks/gpu_overhead.py --models gpt2 > '$DIR/gpu_overhead.txt'"
 else
   step gpu_compile 200 python3 benchmarks/gpu_compile.py "$DIR/gpu_compile.md" --quick
-  step gpu_verify 90 python3 benchmarks/gpu_verify.py "$DIR/gpu_verify.md"
-  step gpu_overhead 30 sh -c "python3 benchmarks/gpu_overhead.py --models gpt2 > '$DIR/gpu_overhead.txt'"
 fi
 step gpu_hf_gpt2 60 sh -c "python3 benchmarks/gpu_hf_gpt2.py > '$DIR/gpu_hf_gpt2.txt'"
-step bench_search 60 sh -c "python3 benchmarks/bench_search.py --gpu > '$DIR/bench_search_gpu.md'"
-if [ -n "${OUT:-}" ]; then
-  mkdir -p "$OUT/$(basename "$DIR")" && cp "$DIR"/* "$OUT/$(basename "$DIR")/"
+if [ "${FULL:-0}" = 1 ]; then
+  step gpu_verify 600 python3 benchmarks/gpu_verify.py "$DIR/gpu_verify.md"
+else
+  step gpu_verify 90 python3 benchmarks/gpu_verify.py "$DIR/gpu_verify.md"
 fi
+step peak_snapshot 40 sh -c "python3 benchmarks/gpu_peak_snapshot.py 70% > '$DIR/gpu_peak_snapshot_70.txt'"
+step pack_downcast 30 python3 benchmarks/pack_downcast_cuda.py --out-dir "$DIR"
+step tests 45 sh -c "python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > '$DIR/tests.txt' 2>&1"
+if [ "${FULL:-0}" = 1 ]; then
+  step gpu_overhead 600 sh -c "python3 benchmarks/gpu_overhead.py --models gpt2 > '$DIR/gpu_overhead.txt'"
+else
+  step gpu_overhead 30 sh -c "python3 benchmarks/gpu_overhead.py --models gpt2 > '$DIR/gpu_overhead.txt'"
+fi
+step bench_search 60 sh -c "python3 benchmarks/bench_search.py --gpu > '$DIR/bench_search_gpu.md'"
 echo "results in $DIR"

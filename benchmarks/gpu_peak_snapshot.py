@@ -1,18 +1,22 @@
 """On a GPU (outside CI): what is alive at the peak of one planned step --
 the CUDA allocator's own record of every allocation, grouped by the source
-line that made it -- to compare with the plan's prediction.
+line that made it -- to compare with the plan's prediction.  The step runs
+twice: as ``out = model(x)`` loops do (the previous output alive until the
+next forward returns, the loop plans assume) and with the output dropped at
+once; what differs at the two peaks is printed by source line.
 
-    python benchmarks/gpu_peak_snapshot.py
+    python benchmarks/gpu_peak_snapshot.py [least|70%|...]   # the plan's budget; least when not given
 """
 
 from __future__ import annotations
 
 import collections
+import sys
 
 import torch
 
 import autosac
-from autosac.core.budget import format_bytes
+from autosac.core.budget import format_bytes, parse_budget
 from autosac.core.optim import default_loss
 from autosac.models import build_model
 from autosac.solver import least_peak, solve_stats
@@ -53,35 +57,54 @@ def main():
     meta, idx = build_model(NAME, device="meta", **CFG)
     stats = autosac.profile(meta, idx, target="h100", autocast=BF16)
     problem = build_problem(stats)
-    plan = solve_stats(stats, least_peak(problem, solver="highs")[0], solver="highs", problem=problem)
+    which = sys.argv[1] if len(sys.argv) > 1 else "least"
+    budget = least_peak(problem, solver="highs")[0] if which == "least" else parse_budget(which, stats.peak_bytes)
+    plan = solve_stats(stats, budget, solver="highs", problem=problem)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; budget {which}: "
+          f"{format_bytes(plan.budget_bytes)}, {len(plan.decisions)} modules checkpointed")
     print(f"predicted {format_bytes(plan.predicted_peak_bytes)} (baseline {format_bytes(stats.peak_bytes)})")
     torch.manual_seed(0)
     model, idx = build_model(NAME, device="cuda", **CFG)
     autosac.apply(model, plan)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    held: list = []  # the loop's `out`: the previous step's output lives until the next forward returns
 
-    def step():
+    def step(hold: bool):
         with torch.autocast("cuda", dtype=BF16):
-            loss = default_loss(model(idx))
+            out = model(idx)
+            if hold:
+                held[:] = [out]
+            loss = default_loss(out)
+            del out
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    step()
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    torch.cuda.memory._record_memory_history(max_entries=2_000_000)
-    step()
-    torch.cuda.synchronize()
-    snap = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
-    peak, groups = live_at_peak(snap)
-    print(f"measured peak {format_bytes(torch.cuda.max_memory_allocated())}; alive before the step "
-          f"{format_bytes(before)}; made during the step and alive at its peak {format_bytes(peak)}")
-    for where, size in groups.most_common(25):
-        print(f"{format_bytes(size):>12}  {where}")
-
+    seen = {}
+    for hold in (False, True, True):  # the second held step is the steady one: an output held from before
+        step(hold)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000)
+        step(hold)
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        peak, groups = live_at_peak(snap)
+        seen[hold] = groups
+        print(f"\noutput held: {hold}: measured peak {format_bytes(torch.cuda.max_memory_allocated())} "
+              f"(predicted {format_bytes(plan.predicted_peak_bytes)}); alive before the step "
+              f"{format_bytes(before)}; made during the step and alive at its peak {format_bytes(peak)}")
+        for where, size in groups.most_common(25):
+            print(f"{format_bytes(size):>12}  {where}")
+    held.clear()
+    print("\nat the peak, held output's step less the plain one's, by source line:")
+    for where in sorted(set(seen[True]) | set(seen[False])):
+        if seen[True][where] != seen[False][where]:
+            print(f"{format_bytes(seen[True][where] - seen[False][where]):>12}  {where}")
+    m = autosac.measure(model, idx, steps=0, autocast=BF16)
+    print(f"\nautosac.measure (the default loop, output held): {format_bytes(m.peak_bytes)}")
 
 if __name__ == "__main__":
     main()
