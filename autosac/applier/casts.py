@@ -10,6 +10,7 @@ backward asks for it (inside checkpointed modules the policy recomputes it).
 from __future__ import annotations
 
 import torch
+from torch._ops import _len_torch_dispatch_stack_pre_dispatch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from autosac.core.opkinds import is_param_cast
@@ -67,6 +68,8 @@ def pack_cast(t: torch.Tensor):
         param = _param_behind(t)
         if param is not None:
             return ("autosac-cast", param, t.dtype, t.size(), t.stride(), t.storage_offset())
+        if not torch._C._len_torch_dispatch_stack() and not _len_torch_dispatch_stack_pre_dispatch():
+            return t.detach()  # no mode to hide it from: a microsecond where disabling modes takes four
         with _disable_current_modes():
             return t.detach()
     return t

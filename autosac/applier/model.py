@@ -29,7 +29,7 @@ from autosac.applier.casts import pack_cast, unpack_cast
 from autosac.applier.region import RegionPolicy, warn_user
 from autosac.core.errors import PlanMismatchError, StatsFormatError
 from autosac.core.fingerprint import model_fingerprint
-from autosac.core.inputs import format_signature, input_signature
+from autosac.core.inputs import format_signature, input_signature, quick_shapes
 from autosac.core.integrations import cache_requested, no_cache_hook, own_checkpointing, transformers_models
 from autosac.core.marks import APPLIED, CACHE_WARNED, POLICY
 from autosac.core.plan import Plan
@@ -101,7 +101,8 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     model.register_forward_hook(_HOOKS["exit"], always_call=True)
     for _, inner in transformers_models(model):  # wherever they sit: the root or inside a wrapper
         inner.register_forward_pre_hook(_HOOKS["no_cache"], with_kwargs=True, prepend=True)
-    setattr(model, APPLIED, {"plan": plan, "warned_shapes": set(), "release": _Release(list(modules.values()))})
+    setattr(model, APPLIED, {"plan": plan, "warned_shapes": set(), "checked_shapes": set(),
+                             "release": _Release(list(modules.values()))})
     model.__dict__[_CAST_CTX] = []  # made here, not at the first forward: a trace sees no new state
     return model
 
@@ -268,10 +269,10 @@ def _checkpointed_forward(self, own, policy, *args, **kwargs):
 
 class _Hook:
     """One of the hooks :func:`apply` puts on a model, named: it pickles and
-    deep-copies as its name (the one instance per name in ``_HOOKS``), and runs
-    its function outside ``torch.compile``'s tracing
-    (``torch.compiler.disable``), wrapped at its first call, not at import:
-    the wrapping imports Dynamo, which takes seconds."""
+    deep-copies as its name (the one instance per name in ``_HOOKS``).  Eager,
+    it calls its function; while Dynamo traces, it calls it outside the trace
+    (``torch.compiler.disable``), wrapped at the first such call, not at
+    import: the wrapping imports Dynamo, which takes seconds."""
 
     __slots__ = ("name",)
 
@@ -279,6 +280,8 @@ class _Hook:
         self.name = name
 
     def __call__(self, *args):
+        if not torch.compiler.is_compiling():  # eager: Dynamo's disable costs microseconds a call
+            return _HOOK_FNS[self.name](*args)
         fn = _DISABLED.get(self.name)
         if fn is None:
             fn = _DISABLED[self.name] = torch.compiler.disable(_HOOK_FNS[self.name])
@@ -299,7 +302,7 @@ def _hook(name: str) -> _Hook:
 def _enter_model(module, args, kwargs):
     state = module.__dict__.get(APPLIED)
     if state is not None and state["plan"].input_shapes:
-        _check_shapes(state, input_signature(args, kwargs))
+        _check_shapes(state, args, kwargs)
     if state is not None and torch.is_grad_enabled():
         _check_device(state, module)
     # the cast hook sees every tensor the model saves: only where the traced step saved casts
@@ -357,7 +360,16 @@ def _check_device(state: dict, module) -> None:
     )
 
 
-def _check_shapes(state: dict, found: list) -> None:
+def _check_shapes(state: dict, args: tuple, kwargs: dict) -> None:
+    """One warning per input signature the plan was not made for.  Inputs
+    checked before are known by :func:`quick_shapes` (the few shapes a loop
+    runs; the full signature each call past 64)."""
+    quick = quick_shapes(args, kwargs)
+    if quick is not None and quick in state["checked_shapes"]:
+        return
+    found = input_signature(args, kwargs)
+    if quick is not None and len(state["checked_shapes"]) < 64:
+        state["checked_shapes"].add(quick)
     plan = state["plan"]
     key = repr(found)
     if found == plan.input_shapes or key in state["warned_shapes"]:

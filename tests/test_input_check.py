@@ -1,0 +1,62 @@
+"""The applied model checks its inputs' shapes on every forward (a plan holds
+for the shapes it was traced with): once per new signature, cheaply for the
+shapes a loop runs again."""
+
+import collections
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import autosac
+from autosac.core.inputs import input_signature, quick_shapes
+
+_T = collections.namedtuple("_T", "x")
+
+
+def _sig_pairs():
+    a, b, c = torch.zeros(2, 3), torch.zeros(4, 5), torch.zeros(2, 3, dtype=torch.float64)
+    return [
+        (((a,), {}), ((a.clone(),), {}), True),
+        (((a,), {}), ((c,), {}), False),  # dtype
+        (((), {"p": a, "q": b}), ((), {"p": b, "q": a}), False),  # shapes swapped under the same names
+        (((), {"p": a, "q": b}), ((), {"q": a, "p": b}), False),  # names swapped with the same shape order
+        (((a, b), {}), (([a], b), {}), False),  # nesting
+        (((a, 3, None), {"m": [b, b]}), ((a, 7, None), {"m": [b, b]}), True),  # scalars are not shapes
+    ]
+
+
+@pytest.mark.parametrize("first,second,same", _sig_pairs())
+def test_quick_shapes_agree_with_the_full_signature(first, second, same):
+    q1, q2 = quick_shapes(*first), quick_shapes(*second)
+    assert (q1 == q2) is same
+    assert (input_signature(*first) == input_signature(*second)) is same
+
+
+def test_quick_shapes_leaves_other_containers_to_the_full_signature():
+    assert quick_shapes((_T(torch.zeros(2)),), {}) is None
+
+
+class _Two(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 32), nn.Linear(32, 8)
+
+    def forward(self, x, y):
+        return self.b(torch.relu(self.a(x))) + y
+
+
+def test_a_new_signature_warns_once_and_the_traced_one_never():
+    torch.manual_seed(0)
+    model = _Two()
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+    plan = autosac.solve(model, "least", example_inputs=(x, y), target="cpu")
+    autosac.apply(model, plan)
+    other = (torch.randn(4, 8), torch.randn(4, 8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for args in [(x, y), (x, y), other, other, (x, y), other]:
+            model(*args).sum().backward()
+    said = [str(w.message) for w in caught if "made for inputs" in str(w.message)]
+    assert len(said) == 1 and "args[0] (4, 8) float32" in said[0]
