@@ -43,6 +43,7 @@ beside it.
     python benchmarks/predict_suite.py                       # every model, both regimes (~20 min)
     python benchmarks/predict_suite.py --quick               # a few models, fewer rounds (~3 min)
     python benchmarks/predict_suite.py --models hf-llama,timm-vit --regimes dispatch
+    python benchmarks/predict_suite.py --autocast bf16 ...   # under CPU autocast: plans with parameter casts
 """
 
 from __future__ import annotations
@@ -253,7 +254,7 @@ MODELS = {
 
 
 # ------------------------------------------------------------------ measuring
-def _timed(variants: dict, inputs, loss_fn, rounds: int, steps: int) -> tuple[dict, dict, dict]:
+def _timed(variants: dict, inputs, loss_fn, rounds: int, steps: int, autocast=None) -> tuple[dict, dict, dict]:
     """Median CPU ms (this thread), median wall ms and median page faults of
     one training step (forward, loss, backward, AdamW) per variant, over
     interleaved rounds."""
@@ -263,9 +264,11 @@ def _timed(variants: dict, inputs, loss_fn, rounds: int, steps: int) -> tuple[di
     held: list = []
 
     def step(k, m):
-        out = m(*args, **kwargs)
-        held[:] = [out]  # the loop the plans are made for: the output held through backward
-        loss_fn(out).backward()
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            out = m(*args, **kwargs)
+            held[:] = [out]  # the loop the plans are made for: the output held through backward
+            loss = loss_fn(out)
+        loss.backward()
         opts[k].step()
         opts[k].zero_grad(set_to_none=True)
 
@@ -306,11 +309,11 @@ def without_cache(model, inputs):
     return base
 
 
-def _bitwise(model, planned, inputs, loss_fn) -> bool:
+def _bitwise(model, planned, inputs, loss_fn, autocast=None) -> bool:
     from suite import assert_same_step
 
     try:
-        assert_same_step(copy.deepcopy(model), copy.deepcopy(planned), inputs, loss_fn)
+        assert_same_step(copy.deepcopy(model), copy.deepcopy(planned), inputs, loss_fn, autocast=autocast)
         return True
     except AssertionError:
         return False
@@ -321,12 +324,12 @@ def _describe(plan) -> str:
     return f"{len(plan.decisions)} regions, {selective} selective, machinery {plan.mechanism_ms:.2f} ms"
 
 
-def run_model(name: str, regime: str, rounds: int, steps: int) -> list[Row]:
+def run_model(name: str, regime: str, rounds: int, steps: int, autocast=None) -> list[Row]:
     build, _ = MODELS[name]
     torch.manual_seed(0)
     model, inputs, loss_fn = build(_sizes(regime))
     loss_fn = loss_fn or (lambda out: out)
-    stats = autosac.profile(model, inputs, target="cpu", optimizer="adamw", loss_fn=loss_fn)
+    stats = autosac.profile(model, inputs, target="cpu", optimizer="adamw", loss_fn=loss_fn, autocast=autocast)
     least = autosac.solve(stats, "least")
     plans = {"mid": autosac.solve(stats, (least.predicted_peak_bytes + least.baseline_peak_bytes) // 2),
              "least": least}
@@ -336,12 +339,12 @@ def run_model(name: str, regime: str, rounds: int, steps: int) -> list[Row]:
         variants["base"] = base
     for label, plan in plans.items():
         planned = autosac.apply(copy.deepcopy(model), plan)
-        bitwise = _bitwise(model, planned, inputs, loss_fn)  # before measure's steps change the weights
-        peak = autosac.measure(planned, inputs, loss_fn=loss_fn, steps=0, optimizer="adamw").peak_bytes
+        bitwise = _bitwise(model, planned, inputs, loss_fn, autocast)  # before measure's steps change the weights
+        peak = autosac.measure(planned, inputs, loss_fn=loss_fn, steps=0, optimizer="adamw", autocast=autocast).peak_bytes
         rows.append(Row(name, regime, label, predicted=plan.step_ms / plan.baseline_step_ms - 1,
                         kept=peak <= plan.budget_bytes, bitwise=bitwise, plan=_describe(plan)))
         variants[label] = planned
-    cpu, wall, faults = _timed(variants, inputs, loss_fn, rounds, steps)
+    cpu, wall, faults = _timed(variants, inputs, loss_fn, rounds, steps, autocast)
     ref = "base" if base is not None else "none"
     for row in rows:
         row.measured = cpu[row.budget] / cpu[ref] - 1
@@ -388,6 +391,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}, fewer rounds")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 8, --quick 4)")
     ap.add_argument("--out", help="also write the table to this file")
+    ap.add_argument("--autocast", choices=("bf16",), help="plan and run under CPU autocast (bfloat16)")
     ap.add_argument("--glibc-returns", action="store_true",
                     help="keep glibc's defaults: freed heap goes back to the system and is page-faulted in again")
     a = ap.parse_args(argv)
@@ -415,7 +419,7 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             steps = 5 if regime == "dispatch" else 2
             try:
-                got = run_model(name, regime, rounds, steps)
+                got = run_model(name, regime, rounds, steps, torch.bfloat16 if a.autocast else None)
             except Exception as e:  # noqa: BLE001 - one model's failure is a row, not the end of the run
                 traceback.print_exc(file=sys.stderr)
                 got = [Row(name, regime, "-", note=f"failed: {type(e).__name__}: {str(e)[:120]}")]
@@ -425,7 +429,7 @@ def main(argv=None) -> int:
                       f"(wall {_pct(r.wall)}) kept {r.kept} bitwise {r.bitwise} [{time.perf_counter() - t0:.0f} s]",
                       file=sys.stderr, flush=True)
     text = table(rows) + (f"\n\n({len(names)} models, {rounds} rounds, {time.perf_counter() - started:.0f} s, "
-                          f"{kept})")
+                          f"{kept}{', bf16 autocast' if a.autocast else ''})")
     print(text)
     if a.out:
         Path(a.out).write_text(text + "\n")

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -41,3 +42,57 @@ def test_calibration_runs_other_work_between_checkpointed_calls():
     assert [type(m).__name__ for m in twice] == ["_Twice", "_Layer"] * 3
     # the first region's figures are read from module "0"
     assert setup["stats"].modules["0"].fw_windows
+
+
+def _saves_and_casts(model, idx):
+    """Tensors a real autocast forward saves, and how many are parameter casts (the cast hook's view)."""
+    from autosac.applier.casts import _param_behind
+
+    seen = [0, 0]
+
+    def pack(t):
+        seen[0] += 1
+        seen[1] += _param_behind(t) is not None
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(idx)
+    return seen
+
+
+def test_the_cast_hook_is_priced_per_tensor_saved_and_per_cast_made_again():
+    # a plan with parameter casts packs every tensor the forward saves through
+    # the model-wide cast hook, and makes each cast again in the backward:
+    # every plan pays it, none with a plan's regions (on a CPU target)
+    from dataclasses import replace
+
+    from suite import A100_CPU_KERNELS, gpt
+
+    import autosac
+    from autosac.core.host import HostCosts
+    from autosac.solver.problem import build_problem
+
+    torch.manual_seed(0)
+    model, idx = gpt(dict(n_layer=2, dim=64, n_head=4, seq=32, vocab=128), batch=2)
+    saves, casts = _saves_and_casts(model, idx)
+    assert casts > 0 and saves > casts
+
+    def always(spec, autocast=torch.bfloat16):
+        stats = autosac.profile(model, idx, target=spec, autocast=autocast)
+        return build_problem(stats).always_ms
+
+    plain = replace(A100_CPU_KERNELS, host=HostCosts())
+    priced = replace(A100_CPU_KERNELS, host=HostCosts(cast_hook_us=10.0, cast_remake_us=100.0))
+    assert always(priced) - always(plain) == pytest.approx((saves * 10.0 + casts * 100.0) / 1e3, rel=1e-9)
+    assert always(priced, autocast=None) == always(plain, autocast=None)  # no casts: no hook
+    on_gpu = replace(priced, device_type="cuda")  # host work hidden under the kernels it queues
+    assert always(on_gpu) == always(replace(on_gpu, host=HostCosts()))
+
+
+def test_calibration_times_the_cast_hook_plain_and_under_autocast():
+    x = torch.randn(2, 32, 64)
+    setup = _calibration_models(lambda: _tiny(64), 2, x, selective=True, casts=True)
+    assert {"casts", "ac_none", "ac_casts"} <= set(setup["variants"])
+    saves, casts = setup["autocast_saves"]
+    assert 0 < casts < saves
+    assert setup["cast_op_us"] > 0

@@ -14,13 +14,14 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-CACHE_KEY = "host-costs-v13"  # bump when the micro-benchmark changes (v12: a large size too, autosac.core.hostsize;
-# v13: cold_read_us_per_mib, autosac.core.coldread)
+CACHE_KEY = "host-costs-v14"  # bump when the micro-benchmark changes (v12: a large size too, autosac.core.hostsize;
+# v13: cold_read_us_per_mib, autosac.core.coldread; v14: cast_hook_us)
 _FIELDS = ("op_us", "checkpoint_call_us", "saved_tensor_us", "selective_op_us", "untimed_op_us", "backward_op_us",
            "backward_untimed_us", "small_op_bytes", "large_op_bytes", "untimed_us_per_mib", "backward_untimed_us_per_mib",
-           "selective_us_per_mib", "cold_read_us_per_mib")
+           "selective_us_per_mib", "cold_read_us_per_mib", "cast_hook_us", "cast_remake_us")
 _SIGNED = ("backward_untimed_us",)
-_PER_OP = ("op_us", "selective_op_us", "untimed_op_us", "backward_op_us", "backward_untimed_us")
+_PER_OP = ("op_us", "selective_op_us", "untimed_op_us", "backward_op_us", "backward_untimed_us", "cast_hook_us",
+           "cast_remake_us")
 NOISY_KEY = f"{CACHE_KEY}:noisy_until"  # 0: measured clean; else when the noisy figures expire (epoch seconds)
 SIGNED_CACHE_KEYS = frozenset(f"{CACHE_KEY}:{f}" for f in _SIGNED)  # cached figures that may be negative
 
@@ -51,6 +52,11 @@ class HostCosts:
     # CPU kernels: what a foreach op (an optimizer's) adds per MiB it reads that the op before
     # it did not touch (autosac.core.coldread; 0: none measured)
     cold_read_us_per_mib: float = 0.0
+    # each tensor autograd saves outside checkpointed calls in a plan with parameter casts (autocast):
+    # the model-wide hook that keeps casts from being saved packs and unpacks it (autosac.applier.casts)
+    cast_hook_us: float = 0.0
+    # each parameter cast that hook packs as its parameter and makes again in the backward, beyond that
+    cast_remake_us: float = 0.0
 
     def size_us(self, nbytes: float, us_per_mib: float) -> float:
         """What an op making ``nbytes`` adds to a per-op figure (:func:`autosac.core.hostsize.extra_us`)."""

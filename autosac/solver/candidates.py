@@ -304,7 +304,10 @@ class Reading:
     kernels and a choice costs max(re-run, machinery); on an H100 the re-run
     alone matched the measured overheads (benchmarks/check_gpu_time_model.py).
     ``keep_random``: never discard the outputs of ops that draw random numbers,
-    as a plan under ``torch.compile`` keeps them (:mod:`autosac.applier.compiled`)."""
+    as a plan under ``torch.compile`` keeps them (:mod:`autosac.applier.compiled`).
+    ``cast_hooks``: a plan for this step runs the parameter-cast hook on every
+    tensor the forward saves outside checkpointed calls (it makes parameter
+    casts; eager, on a CPU -- on a GPU that host work hides under kernels)."""
 
     stats: ModelStats
     max_choices: int = 16
@@ -314,13 +317,22 @@ class Reading:
     events: list[int] = field(default_factory=list)
     orders: dict = field(default_factory=dict)  # identical layers share their discard order
     replay_casts: _ReplayCasts | None = None
+    cast_hooks: bool = False
 
     @classmethod
     def of(cls, stats: ModelStats, max_choices: int = 16, keep_random: bool = False) -> Reading:
         host = HostCosts(**stats.target["host"]) if stats.target.get("host") and not keep_random else HostCosts()
-        return cls(stats=stats, max_choices=max_choices, keep_random=keep_random, host=host,
-                   overlap=stats.target.get("device_type") == "cuda",
-                   events=[op.event for op in stats.saved_ops], replay_casts=_ReplayCasts(stats))
+        overlap = stats.target.get("device_type") == "cuda"
+        casts = not overlap and any(op.param_cast for op in stats.saved_ops)
+        return cls(stats=stats, max_choices=max_choices, keep_random=keep_random, host=host, overlap=overlap,
+                   events=[op.event for op in stats.saved_ops], replay_casts=_ReplayCasts(stats), cast_hooks=casts)
+
+    def cast_hook_ms(self, saved: int, casts: int = 0) -> float:
+        """What the parameter-cast hook costs ``saved`` saved tensors, ``casts``
+        of them parameter casts it makes again in the backward (0 without it)."""
+        if not self.cast_hooks:
+            return 0.0
+        return (saved * self.host.cast_hook_us + casts * self.host.cast_remake_us) / 1e3
 
 
 @dataclass
@@ -394,6 +406,9 @@ def _choices(r: Reading, fqn: str, m) -> _Choices | None:
     if m.routed and whole_ms is None:
         return None
     rerun = [whole_ms if whole_ms is not None and k == len(items) else float(cum_t[k - 1]) for k in picks]
+    # the call's saved tensors go through the checkpoint's hooks instead of the model-wide cast hook
+    credit = r.cast_hook_ms(m.saved_tensors[0] if m.saved_tensors else 0)
+    mechanism = [max(0.0, mech - credit) for mech in mechanism]
     if r.overlap:  # the host's checkpointing work hides under the kernels it queues: only its excess shows
         mechanism = [max(0.0, mech - t) for mech, t in zip(mechanism, rerun)]
     return _Choices(calls=calls, items=items, picks=picks, rerun=rerun, mechanism=list(mechanism))

@@ -50,7 +50,7 @@ class Problem:
     live: np.ndarray  # bytes alive per event, as the plan sees them, before any checkpointing
     made: np.ndarray  # bytes each event allocates itself (``live - made``: just before it)
     candidates: list[Candidate]
-    always_ms: float  # recompute every plan pays: parameter casts
+    always_ms: float  # recompute every plan pays: parameter casts, the cast hook
     baseline_peak: int  # the unconstrained peak: sharded over world_size, parameter casts saved
     linked: list[list[int]] = field(default_factory=list)  # candidates (calls of one module) that choose alike
     shared: list[SharedHold] = field(default_factory=list)
@@ -207,7 +207,10 @@ def build_problem(stats: ModelStats, max_choices: int = 16, keep_random: bool = 
     candidates.sort(key=lambda c: (c.start, -c.end, -stats.modules[c.fqn].depth))
     _set_ancestors(stats, candidates)
     shared = _share_retained(candidates)
+    # every plan re-makes the parameter casts, and packs what the forward saves through the cast hook
     always = sum(op.ms for op in stats.saved_ops if op.param_cast)
+    casts = sum(len(op.savers) or 1 for op in stats.saved_ops if op.param_cast)
+    always += reading.cast_hook_ms((stats.modules[stats.root].saved_tensors or [0])[0], casts)
     baseline = int(_adjusted_live(stats, drop_casts=False).max(initial=0)) if stats.world_size > 1 else stats.peak_bytes
     made = np.asarray(stats.timeline.made_bytes or np.zeros(len(live)), dtype=np.int64)
     position = {id(c): i for i, c in enumerate(candidates)}

@@ -38,6 +38,13 @@ own, whatever the kernels cost:
 * ``cold_read_us_per_mib``: where the kernels run on this CPU, what an
   optimizer's foreach op adds per MiB it reads that the foreach op before it
   did not touch (:mod:`autosac.core.coldread`).
+* ``cast_hook_us``: each tensor autograd saves outside checkpointed calls in a
+  plan with parameter casts (autocast): the model-wide saved-tensor hook that
+  keeps casts from being saved (:mod:`autosac.applier.casts`) packs it in the
+  forward and unpacks it in the backward, with or without a plan's regions.
+* ``cast_remake_us``: each parameter cast that hook packs as its parameter
+  and makes again in the backward, beyond a tensor's ``cast_hook_us`` and
+  the cast op itself, which plans price as an op (measured under CPU autocast).
 
 :func:`calibrate` measures them on this machine with a micro-benchmark
 (small transformer blocks run plain, with each forward run twice,
@@ -254,7 +261,7 @@ def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, r
         torch.manual_seed(0)
         x = torch.randn(batch, seq, width)
         models = {
-            "shallow": _calibration_models(lambda: _Block(width, 1), regions, x, selective=True),
+            "shallow": _calibration_models(lambda: _Block(width, 1), regions, x, selective=True, casts=True),
             "deep": _calibration_models(lambda: _Block(width, 3), regions, x),
             "tiny": _calibration_models(lambda: _tiny(width), 4 * regions, x),
         }
@@ -341,7 +348,8 @@ def _estimate(models: dict, taken: list[dict]) -> dict[str, float]:
     small = {"op_us": round(shallow["op_us"], 3), "checkpoint_call_us": round(call_us, 2),
              "saved_tensor_us": round(saved_us, 3), "selective_op_us": round(selective_us, 3),
              "untimed_op_us": round(shallow["untimed_op_us"], 3), "backward_op_us": round(shallow["backward_op_us"], 3),
-             "backward_untimed_us": round(shallow["backward_untimed_us"], 3)}
+             "backward_untimed_us": round(shallow["backward_untimed_us"], 3),
+             "cast_hook_us": round(shallow.get("cast_us", 0.0), 3), "cast_remake_us": round(shallow.get("remake_us", 0.0), 3)}
     return small if large is None else {**small, **_large_figures(models, small, large)}
 
 
@@ -370,11 +378,12 @@ def _scale(figures: dict[str, float], name: str) -> float:
     return figures["op_us"] if name in _PER_OP else 0.0
 
 
-def _calibration_models(region, blocks: int, x: torch.Tensor, selective: bool = False) -> dict:
+def _calibration_models(region, blocks: int, x: torch.Tensor, selective: bool = False, casts: bool = False) -> dict:
     """One calibration model (``blocks`` regions, each made by ``region()``
     and followed by a plain layer), its profile, and its variants: plain (where ``selective``), each region's
-    forward run twice, every region checkpointed whole, and (``selective``)
-    every region caching its first matmul."""
+    forward run twice, every region checkpointed whole, (``selective``)
+    every region caching its first matmul, and (``casts``) the plain model
+    under the parameter-cast hook of a plan with casts."""
     import copy
     import warnings
     from dataclasses import replace
@@ -405,7 +414,64 @@ def _calibration_models(region, blocks: int, x: torch.Tensor, selective: bool = 
                 d.save = [next(i for i, (op, _) in enumerate(d.calls) if op == "addmm")]
                 d.skip = []
             variants["selective"] = autosac.applier.apply(copy.deepcopy(model), partial)
-    return {"stats": stats, "variants": variants, "blocks": blocks}
+    setup = {"stats": stats, "variants": variants, "blocks": blocks}
+    if casts:  # plain, under the cast hook; and both again under autocast, where it packs parameter casts
+        for name, autocast, hooked in (("casts", False, True), ("ac_none", True, False), ("ac_casts", True, True)):
+            variants[name] = _CastHooked(copy.deepcopy(model), autocast, hooked)
+        setup["autocast_saves"] = variants["ac_none"].count_saves(x)
+        setup["cast_op_us"] = _cast_op_us(model)
+    return setup
+
+
+def _cast_op_us(model: nn.Module, repeats: int = 20) -> float:
+    """One weight's bfloat16 cast timed alone, as the trace times an op (the
+    least of ``repeats``, mean over the model's matrices): the part of a cast
+    made again that plans price as the cast's own op."""
+    weights = [p.detach() for p in model.parameters() if p.dim() == 2]
+    best = []
+    for w in weights:
+        took = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            w.to(torch.bfloat16)
+            took.append(time.perf_counter() - t0)
+        best.append(min(took))
+    return sum(best) / max(1, len(best)) * 1e6
+
+
+class _CastHooked(nn.Module):
+    """A model run as a plan with parameter casts runs it (``hooked``): every
+    tensor its forward saves goes through the cast hook
+    (:mod:`autosac.applier.casts`); ``autocast``: under CPU autocast (bfloat16)."""
+
+    def __init__(self, inner: nn.Module, autocast: bool, hooked: bool) -> None:
+        super().__init__()
+        self.inner, self.autocast, self.hooked = inner, autocast, hooked
+
+    def forward(self, x):
+        from contextlib import nullcontext
+
+        from autosac.applier.casts import pack_cast, unpack_cast
+
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack_cast, unpack_cast) if self.hooked else nullcontext()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast), hooks:
+            return self.inner(x)
+
+    def count_saves(self, x) -> tuple[int, int]:
+        """How many tensors one forward saves, and how many of them are parameter casts."""
+        from autosac.applier.casts import _param_behind
+
+        seen = [0, 0]
+
+        def pack(t):
+            seen[0] += 1
+            seen[1] += _param_behind(t) is not None
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+                self.inner(x)
+        return seen[0], seen[1]
 
 
 def _figures(setup: dict, times: dict[str, float], forwards: dict[str, float]) -> dict:
@@ -433,6 +499,12 @@ def _figures(setup: dict, times: dict[str, float], forwards: dict[str, float]) -
         # negative where timing an op from Python counts more than the engine pays; bounded,
         # so that kernel timings taken in a slow moment cannot make backward ops free
         out["backward_untimed_us"] = max(-0.5 * out["backward_op_us"], (bw_ms - sum(backward)) * 1e3 / len(backward))
+    if "casts" in times:  # every tensor the model's forward saves, packed and unpacked by the hook
+        saves = stats.modules[stats.root].saved_tensors[0]
+        out["cast_us"] = max(0.0, (times["casts"] - times["none"]) * 1e3 / max(1, saves))
+        ac_saves, ac_casts = setup["autocast_saves"]
+        remake = (times["ac_casts"] - times["ac_none"]) * 1e3 - ac_saves * out["cast_us"]
+        out["remake_us"] = max(0.0, remake / max(1, ac_casts) - setup["cast_op_us"])
     if "selective" in times:  # its replay: the whole forward but the cached matmul
         kept = next(e for e in range(w0, w1) if tl.ops[e] == "addmm")
         kept_us = tl.ms[kept] * 1e3 + untimed_us
