@@ -38,14 +38,27 @@ PROBE_SCRATCH_OPS = frozenset({
 _HALF_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
 
 
-def needs_probe(func, args) -> bool:
-    """Whether the kernel's internal working memory is measured by a probe."""
+def needs_probe(func, args, device_type: str = "cpu") -> bool:
+    """Whether the kernel's internal working memory is measured by a probe.
+
+    On a CPU, a pointwise op whose tensor inputs differ in floating dtype
+    (autocast's bfloat16 output added to a float32 residual) first copies the
+    narrower ones to the common dtype, inside the call (TensorIterator
+    promotes CPU inputs; CUDA kernels cast as they load)."""
     name = func.overloadpacket.__name__
     if name in PROBE_SCRATCH_OPS or name == "mkldnn_rnn_layer_backward":
+        return True
+    if device_type == "cpu" and torch.Tag.pointwise in func.tags and _mixed_floats(args):
         return True
     return name in _HALF_MATMULS and any(
         isinstance(a, torch.Tensor) and a.dtype in (torch.bfloat16, torch.float16) for a in args
     )
+
+
+def _mixed_floats(args) -> bool:
+    """Whether the op's tensor arguments (not 0-dim ones) hold more than one floating dtype."""
+    dtypes = {a.dtype for a in tree_leaves(args) if isinstance(a, torch.Tensor) and a.dim() and a.is_floating_point()}
+    return len(dtypes) > 1
 _PROBE_CAP_BYTES = 256 << 20
 PROBE_CAP_FLOPS = 3e10  # a probe runs the kernel for real: about a second here at most
 

@@ -324,7 +324,7 @@ class StepRecorder(TorchDispatchMode):
     def _note_scratch(self, func, args, kwargs, idx: int, flops: int, outs) -> None:
         """The working memory the op's kernel allocates and frees inside the call."""
         scratch = transient_bytes(func, args)
-        if needs_probe(func, args) and flops <= PROBE_CAP_FLOPS:
+        if needs_probe(func, args, self.device_type) and flops <= PROBE_CAP_FLOPS:
             scratch = probed_scratch_bytes(func, args, kwargs, scratch, outs)
         scratch += scalar_scratch_bytes(func, args, kwargs, self.device_type) + self._loose_scalar_bytes(args)
         if scratch:
