@@ -172,6 +172,32 @@ def test_the_trace_under_cuda_autocast_does_not_depend_on_the_garbage_collector(
     assert first.timeline.live_bytes == again.timeline.live_bytes
 
 
+class _Gather(torch.nn.Module):
+    """A gather of autocast's bfloat16 output along an expanded index (DeBERTa's
+    relative positions): the CPU kernel works in twice its result on the side."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 512)
+
+    def forward(self, x, index):
+        return torch.gather(self.lin(x), -1, index.expand(x.shape[0], -1, -1))
+
+
+def test_a_cpu_kernel_reading_half_precision_counts_its_working_memory():
+    # DeBERTa-v2 under CPU autocast: its least plan measured 256 KiB over budget
+    # (exact since).  Here the trace was 16 MiB under the allocator's peak; now
+    # it is 16 MiB over it (the probes' scratch is the real kernels', 32 MiB for
+    # the gather and for its backward's scatter_add; where the excess comes from
+    # is not found yet): never under
+    torch.manual_seed(0)
+    model = _Gather()
+    inputs = (torch.randn(64, 256, 16), torch.randint(0, 512, (1, 256, 512)))
+    stats = autosac.profile(model, inputs, target="cpu", autocast=torch.bfloat16, optimizer="none")
+    measured = autosac.measure(model, inputs, steps=0, autocast=torch.bfloat16, optimizer="none").peak_bytes
+    assert measured <= stats.peak_bytes <= 1.2 * measured
+
+
 class _WideAdd(torch.nn.Module):
     """A float32 tensor plus autocast's bfloat16 output: on a CPU the add
     first copies the bfloat16 operand to float32, inside the call."""

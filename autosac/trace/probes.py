@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_leaves
 
 from autosac.core.allocations import allocation_peak
 from autosac.core.errors import ProfilerBusyError
+from autosac.core.opkinds import is_view_op
 
 # Kernels whose outputs the meta kernel sizes unlike the real one: their output
 # sizes are read off a real call on zeros.  oneDNN's RNN workspace; and losses
@@ -44,15 +45,24 @@ def needs_probe(func, args, device_type: str = "cpu") -> bool:
     On a CPU, a pointwise op whose tensor inputs differ in floating dtype
     (autocast's bfloat16 output added to a float32 residual) first copies the
     narrower ones to the common dtype, inside the call (TensorIterator
-    promotes CPU inputs; CUDA kernels cast as they load)."""
+    promotes CPU inputs; CUDA kernels cast as they load).  And on a CPU any
+    other op that is not pointwise and reads half precision: its kernel may
+    work in float32 on the side (``gather`` of bfloat16 with an expanded index
+    peaks at 3x its result)."""
     name = func.overloadpacket.__name__
     if name in PROBE_SCRATCH_OPS or name == "mkldnn_rnn_layer_backward":
         return True
     if device_type == "cpu" and torch.Tag.pointwise in func.tags and _mixed_floats(args):
         return True
+    if device_type == "cpu" and torch.Tag.pointwise not in func.tags and not is_view_op(func) and _half(args):
+        return True
     return name in _HALF_MATMULS and any(
         isinstance(a, torch.Tensor) and a.dtype in (torch.bfloat16, torch.float16) for a in args
     )
+
+
+def _half(args) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.dtype in (torch.bfloat16, torch.float16) for a in tree_leaves(args))
 
 
 def _mixed_floats(args) -> bool:
