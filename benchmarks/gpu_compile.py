@@ -76,7 +76,7 @@ def _plan(meta, idx_meta, budget, compile_: str | None):
 def _row(out, label, budget, m, base_ms, plan=None, note="", seconds=0.0):
     pred_peak = format_bytes(plan.predicted_peak_bytes) if plan is not None else "-"
     err = f"{(plan.predicted_peak_bytes - m.peak_bytes) / m.peak_bytes:+.2%}" if plan is not None else "-"
-    kept = ("yes" if m.peak_bytes <= budget else "NO") if budget else "-"
+    kept = ("yes" if m.peak_bytes <= budget else f"NO ({(m.peak_bytes - budget) / 2**20:.1f} MiB over)") if budget else "-"
     pred_over = f"{plan.overhead:+.1%}" if plan is not None else "-"
     out.append(f"| {label} | {format_bytes(budget) if budget else '-'} | {pred_peak} | {format_bytes(m.peak_bytes)} "
                f"| {err} | {kept} | {m.step_ms:.1f} ms | {m.step_ms / base_ms - 1:+.1%} | {pred_over} | "
