@@ -23,7 +23,8 @@ _SIGNED = ("backward_untimed_us",)
 _PER_OP = ("op_us", "selective_op_us", "untimed_op_us", "backward_op_us", "backward_untimed_us", "cast_hook_us",
            "cast_remake_us")
 NOISY_KEY = f"{CACHE_KEY}:noisy_until"  # 0: measured clean; else when the noisy figures expire (epoch seconds)
-SIGNED_CACHE_KEYS = frozenset(f"{CACHE_KEY}:{f}" for f in _SIGNED)  # cached figures that may be negative
+# cached figures that may be negative (the figures, and the last clean ones: autosac.tools.calibrate)
+SIGNED_CACHE_KEYS = frozenset(f"{CACHE_KEY}:{kind}{f}" for f in _SIGNED for kind in ("", "clean:"))
 
 
 @dataclass(frozen=True)

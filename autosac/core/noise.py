@@ -58,6 +58,41 @@ def settled(samples: Sequence[float], tolerance: float = TOLERANCE, slack: float
     return b <= a * (1 + tolerance) + slack + 1e-12
 
 
+def _machine_busy_s() -> float | None:
+    """CPU seconds every process on this machine has run (Linux's /proc/stat), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+    except (OSError, ValueError):
+        return None
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def others_meter() -> Callable[[], float]:
+    """A meter: called later, how many cores other processes kept busy on
+    average since (the machine's CPU time less this process's, over the wall
+    time); 0.0 where the machine's is not known.  With several intra-op
+    threads a thread's own share misses that contention: a starved worker
+    leaves the others spinning, which counts as their CPU time."""
+    wall, busy, mine = time.perf_counter(), _machine_busy_s(), sum(os.times()[:4])
+    if busy is None:
+        return lambda: 0.0
+
+    def cores() -> float:
+        now = _machine_busy_s() or busy
+        return max(0.0, (now - busy) - (sum(os.times()[:4]) - mine)) / max(time.perf_counter() - wall, 1e-9)
+    return cores
+
+
+def contended(threads: int, others_cores: float, cpus: int | None = None) -> bool:
+    """Whether ``threads`` intra-op threads lacked cores: other processes kept
+    more cores busy than the ``cpus`` (``os.cpu_count()``) left them free,
+    by more than a quarter of a core."""
+    cpus = cpus or os.cpu_count() or 1
+    return threads > 1 and others_cores > max(0, cpus - threads) + 0.25
+
+
 def share_meter() -> Callable[[], float]:
     """A meter: called later, the share of a core this thread has had since
     (its CPU time over the wall time)."""

@@ -64,6 +64,7 @@ the trace, for its figures.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import warnings
 from typing import NamedTuple
@@ -82,7 +83,16 @@ from autosac.core.host import (  # noqa: F401 - the data, kept importable here a
     host_costs,
     register_calibration,
 )
-from autosac.core.noise import MIN_SHARE, NOISY_LIFETIME_S, TOLERANCE, remeasure_requested, share_meter, steady
+from autosac.core.noise import (
+    MIN_SHARE,
+    NOISY_LIFETIME_S,
+    TOLERANCE,
+    contended,
+    others_meter,
+    remeasure_requested,
+    share_meter,
+    steady,
+)
 
 _CALIBRATED: HostCosts | None = None
 
@@ -114,8 +124,11 @@ def calibrate(force: bool = False) -> HostCosts:
     On a busy machine (:mod:`autosac.core.noise`): while the figures of the even
     and the odd rounds differ by more than 10 %, or the measuring thread had
     less than 90 % of a core, the rounds are doubled, up to 16 rounds or about
-    20 s; figures that never settled are used, with one logged warning, and
-    kept on disk for an hour only.  ``force=True``, ``AUTOSAC_REMEASURE=1``
+    20 s.  Figures that never settled, or were measured with several torch
+    threads while other processes kept the cores they needed busy, are noisy:
+    where this machine's figures were measured clean before, those are kept;
+    else the noisy ones are used, with one logged warning, and kept on disk
+    for an hour only.  ``force=True``, ``AUTOSAC_REMEASURE=1``
     or :func:`remeasure` measure them again.
 
     Example::
@@ -142,26 +155,35 @@ def calibrate(force: bool = False) -> HostCosts:
         return _CALIBRATED
     if isinstance(got, HostCosts):  # a stand-in measurement (tests): clean
         got = Measured(got)
+    clean = _cached(cache, prefix=_CLEAN) if got.noisy else None
     if got.noisy:  # logged, not warned: a busy machine is no error a warnings filter should raise
         logging.getLogger("autosac").warning(
-            "autosac: this machine was busy while measuring its host costs (%s, after %d rounds): plans use them, and "
-            "they are measured again after %g h, or at once with AUTOSAC_REMEASURE=1 or autosac.tools.calibrate.remeasure()",
-            "; ".join(got.noisy), got.rounds, NOISY_LIFETIME_S / 3600)
-    for name, value in got.costs.to_dict().items():
+            "autosac: this machine was busy while measuring its host costs (%s, after %d rounds): %s",
+            "; ".join(got.noisy), got.rounds,
+            "the figures measured on a quiet machine before are kept" if clean is not None else
+            f"plans use them, and they are measured again after {NOISY_LIFETIME_S / 3600:g} h, or at once with "
+            "AUTOSAC_REMEASURE=1 or autosac.tools.calibrate.remeasure()")
+    costs = clean if clean is not None else got.costs
+    for name, value in costs.to_dict().items():
         cache.put(f"{CACHE_KEY}:{name}", value)
-    cache.put(NOISY_KEY, time.time() + NOISY_LIFETIME_S if got.noisy else 0.0)
+        if not got.noisy:  # the last clean figures, which a noisy measurement later does not replace
+            cache.put(f"{_CLEAN}{name}", value)
+    cache.put(NOISY_KEY, time.time() + NOISY_LIFETIME_S if got.noisy and clean is None else 0.0)
     cache.save()
-    _CALIBRATED = got.costs
-    return got.costs
+    _CALIBRATED = costs
+    return costs
 
 
-def _cached(cache) -> HostCosts | None:
-    """The host figures in ``cache``, or None: missing, refused by
-    :class:`HostCosts`, or measured under noise and expired."""
-    found = {f: cache.get(f"{CACHE_KEY}:{f}") for f in _FIELDS}
+_CLEAN = f"{CACHE_KEY}:clean:"  # the last figures measured on a quiet machine
+
+
+def _cached(cache, prefix: str = f"{CACHE_KEY}:") -> HostCosts | None:
+    """The host figures in ``cache`` (the last clean ones with ``prefix=_CLEAN``),
+    or None: missing, refused by :class:`HostCosts`, or measured under noise and expired."""
+    found = {f: cache.get(f"{prefix}{f}") for f in _FIELDS}
     if any(v is None for v in found.values()):
         return None
-    noisy_until = cache.get(NOISY_KEY)
+    noisy_until = 0.0 if prefix == _CLEAN else cache.get(NOISY_KEY)
     if noisy_until is None:
         return None
     if noisy_until and not 0 <= noisy_until - time.time() <= NOISY_LIFETIME_S:  # expired (or a clock gone back)
@@ -270,6 +292,7 @@ def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, r
     variants = {(size, k): m for size, setup in models.items() for k, m in setup["variants"].items()}
     inputs = {key: x_large if key[0] == "large" else x for key in variants}
     _take_round(variants, inputs, repeats=1)  # warm-up
+    others = others_meter()
     got = steady(lambda: _take_round(variants, inputs), lambda taken: _estimate(models, taken), _scale, rounds=rounds,
                  max_rounds=max_rounds, deadline_s=deadline_s)
     reasons = []
@@ -277,6 +300,9 @@ def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, r
         reasons.append(f"{', '.join(got.disagreeing)} varied by more than {TOLERANCE:.0%} between rounds")
     if got.share < MIN_SHARE:
         reasons.append(f"the measuring thread had {got.share:.0%} of a core")
+    busy, threads = others(), torch.get_num_threads()
+    if contended(threads, busy):
+        reasons.append(f"other processes kept {busy:.1f} of {os.cpu_count()} cores busy beside {threads} torch threads")
     figures = dict(got.figures)
     if figures.get("large_op_bytes"):
         figures["cold_read_us_per_mib"] = _cold_read_us_per_mib(figures["small_op_bytes"], figures["large_op_bytes"])
