@@ -353,3 +353,18 @@ def test_the_calibration_is_noisy_where_other_processes_took_its_threads_cores(f
     finally:
         torch.set_num_threads(threads)
     assert got.noisy and "other processes kept 1.0 of 2 cores busy beside 2 torch threads" in got.noisy[-1]
+
+
+def test_timings_are_kept_apart_per_c_allocator_setting(fresh, monkeypatch):
+    # glibc's defaults hand freed heap back and page-fault it in again; with its trim and
+    # mmap thresholds set they may not: an op's fresh memory costs differ, so do its timings
+    for k in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_", "LD_PRELOAD"):
+        monkeypatch.delenv(k, raising=False)
+    plain = cache_path()
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", str(4 << 30))
+    kept = cache_path()
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", str(1 << 20))
+    other = cache_path()
+    assert len({plain, kept, other}) == 3 and plain.parent == kept.parent
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
+    assert cache_path() == plain

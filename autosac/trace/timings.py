@@ -55,8 +55,23 @@ def is_outlier(ms: float, expected_ms: float) -> bool:
     return ms > OUTLIER_FACTOR * (expected_ms + OUTLIER_FLOOR_MS)
 
 
+# settings of the C allocator that change what an op's fresh memory costs (glibc hands freed heap back
+# and page-faults it in again by default; with these set it may not): timed apart, like thread counts
+_ALLOCATOR_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
+                  "LD_PRELOAD")
+
+
+def _allocator_key() -> str:
+    """Empty under the C allocator's defaults, else a short digest of its settings."""
+    import hashlib
+
+    found = [f"{k}={os.environ[k]}" for k in _ALLOCATOR_ENV if os.environ.get(k)]
+    return "" if not found else "-alloc" + hashlib.sha1(";".join(found).encode()).hexdigest()[:8]
+
+
 def _machine_key() -> str:
-    return f"{platform.machine()}-{os.cpu_count()}cpu-{torch.get_num_threads()}threads-torch{torch.__version__}"
+    return (f"{platform.machine()}-{os.cpu_count()}cpu-{torch.get_num_threads()}threads-torch{torch.__version__}"
+            f"{_allocator_key()}")
 
 
 def cache_path() -> Path | None:
