@@ -20,7 +20,7 @@ from autosac.core.stats import ModelStats
 from autosac.tools import calibrate as host
 from autosac.trace.timings import cache_path
 
-SIGNED_CACHE_KEYS = {f"{host.CACHE_KEY}:{f}" for f in host._SIGNED}  # host figures that may be negative
+SIGNED_CACHE_KEYS = host.SIGNED_CACHE_KEYS  # host figures that may be negative (and their last clean copies)
 CPU_NO_HOST = replace(autosac.DEVICES["cpu"], host=HostCosts())  # timed ops, no host calibration
 
 
