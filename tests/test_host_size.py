@@ -15,7 +15,7 @@ from autosac.core.host import HostCosts
 from autosac.core.hostsize import MIB, anchor_bytes, extra_us, fit_extras
 from autosac.models import build_model
 from autosac.solver.problem import build_problem
-from autosac.tools.calibrate import _Block
+from autosac.tools.calibration_models import _Block
 from autosac.trace.costs import CostModel
 
 SMALL, LARGE = 32 << 10, 1 << 20

@@ -9,7 +9,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autosac.applier import applied_plan
-from autosac.tools.calibrate import _calibration_models, _Layer, _tiny
+from autosac.tools.calibration_models import _calibration_models, _Layer, _tiny
 from autosac.trace.costs import _real_like
 
 

@@ -93,6 +93,7 @@ from autosac.core.noise import (
     share_meter,
     steady,
 )
+from autosac.tools.calibration_models import _Block, _calibration_models, _large_models, _tiny
 
 _CALIBRATED: HostCosts | None = None
 
@@ -225,56 +226,6 @@ def remeasure(ops: bool = True) -> HostCosts:
     return calibrate(force=True)
 
 
-class _Block(nn.Module):
-    """A small pre-norm transformer block (attention and MLP), the kind of
-    module plans checkpoint most; ``blocks`` of them form one region."""
-
-    def __init__(self, width: int, blocks: int) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(_Layer(width) for _ in range(blocks))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
-class _Twice(nn.Module):
-    """Runs its region's forward twice, the first result dropped: what a
-    checkpointed call re-runs, without the checkpoint's machinery."""
-
-    def __init__(self, region: nn.Module) -> None:
-        super().__init__()
-        self.region = region
-
-    def forward(self, x):
-        self.region(x)
-        return self.region(x)
-
-
-class _Layer(nn.Module):
-    def __init__(self, width: int, heads: int = 4) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln_1, self.ln_2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x):
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln_1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-        return x + self.out(torch.nn.functional.gelu(self.fc(self.ln_2(x))))
-
-
-def _tiny(width: int) -> nn.Module:
-    """A region of one small Linear and a GELU: a checkpointed call that is
-    nearly all per-call cost (it saves three tensors)."""
-    return nn.Sequential(nn.Linear(width, width), nn.GELU())
-
-
 def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, rounds: int = 4,
              max_rounds: int = 16, deadline_s: float = 20.0) -> Measured:
     """This machine's figures (see :func:`calibrate`), measured until two
@@ -379,15 +330,6 @@ def _estimate(models: dict, taken: list[dict]) -> dict[str, float]:
     return small if large is None else {**small, **_large_figures(models, small, large)}
 
 
-def _large_models() -> tuple[dict, torch.Tensor]:
-    """The calibration at the large size (:mod:`autosac.core.hostsize`): one
-    block per region, plain, twice, whole and selective, as the shallow one."""
-    from autosac.core.hostsize import LARGE_BATCH, LARGE_REGIONS, LARGE_SEQ, LARGE_WIDTH
-
-    x = torch.randn(LARGE_BATCH, LARGE_SEQ, LARGE_WIDTH)
-    return _calibration_models(lambda: _Block(LARGE_WIDTH, 1), LARGE_REGIONS, x, selective=True), x
-
-
 def _large_figures(models: dict, small: dict, large: dict) -> dict[str, float]:
     """The large-size extras and both sizes' typical op bytes (:func:`autosac.core.hostsize.fit_extras`)."""
     from autosac.core.hostsize import anchor_bytes, fit_extras
@@ -402,102 +344,6 @@ def _scale(figures: dict[str, float], name: str) -> float:
     the per-op figures (a small or signed part of it need not agree to 10 %
     of itself), else the figure itself."""
     return figures["op_us"] if name in _PER_OP else 0.0
-
-
-def _calibration_models(region, blocks: int, x: torch.Tensor, selective: bool = False, casts: bool = False) -> dict:
-    """One calibration model (``blocks`` regions, each made by ``region()``
-    and followed by a plain layer), its profile, and its variants: plain (where ``selective``), each region's
-    forward run twice, every region checkpointed whole, (``selective``)
-    every region caching its first matmul, and (``casts``) the plain model
-    under the parameter-cast hook of a plan with casts."""
-    import copy
-    import warnings
-    from dataclasses import replace
-
-    import autosac.applier
-    import autosac.trace
-    from autosac.core.devices import DEVICES
-    from autosac.solver import plan_from_decisions
-
-    # each region followed by a plain layer, never checkpointed: in a real plan other work runs between
-    # checkpointed calls and evicts the machinery's code and data from the caches.  Calibrated back to
-    # back, a call cost less than half (180 against 410 us here): a transformers Llama's norm region
-    # was priced 0.36 ms and measured 0.52-0.59 ms in place (now 0.58; benchmarks/predict_suite.py)
-    model = nn.Sequential(*[m for _ in range(blocks) for m in (region(), _Layer(x.shape[-1]))])
-    regions = [str(i) for i in range(0, 2 * blocks, 2)]  # module "0" is the first region
-    # the trace times each op on this CPU (cached): the kernels' part of the step
-    spec = replace(DEVICES["cpu"], host=HostCosts())  # zero host costs: no calibration inside the calibration
-    stats = autosac.trace.profile(model, x, target=spec, optimizer="none", output_held=False)
-    whole = plan_from_decisions(stats, dict.fromkeys(regions, 1.0))
-    variants = {"twice": nn.Sequential(*[_Twice(r) if i % 2 == 0 else r for i, r in enumerate(copy.deepcopy(model))])}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        variants["whole"] = autosac.applier.apply(copy.deepcopy(model), whole)
-        if selective:  # the same regions, each caching its first matmul and recomputing the rest
-            variants["none"] = model
-            partial = copy.deepcopy(whole)
-            for d in partial.details.values():
-                d.save = [next(i for i, (op, _) in enumerate(d.calls) if op == "addmm")]
-                d.skip = []
-            variants["selective"] = autosac.applier.apply(copy.deepcopy(model), partial)
-    setup = {"stats": stats, "variants": variants, "blocks": blocks}
-    if casts:  # plain, under the cast hook; and both again under autocast, where it packs parameter casts
-        for name, autocast, hooked in (("casts", False, True), ("ac_none", True, False), ("ac_casts", True, True)):
-            variants[name] = _CastHooked(copy.deepcopy(model), autocast, hooked)
-        setup["autocast_saves"] = variants["ac_none"].count_saves(x)
-        setup["cast_op_us"] = _cast_op_us(model)
-    return setup
-
-
-def _cast_op_us(model: nn.Module, repeats: int = 20) -> float:
-    """One weight's bfloat16 cast timed alone, as the trace times an op (the
-    least of ``repeats``, mean over the model's matrices): the part of a cast
-    made again that plans price as the cast's own op."""
-    weights = [p.detach() for p in model.parameters() if p.dim() == 2]
-    best = []
-    for w in weights:
-        took = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            w.to(torch.bfloat16)
-            took.append(time.perf_counter() - t0)
-        best.append(min(took))
-    return sum(best) / max(1, len(best)) * 1e6
-
-
-class _CastHooked(nn.Module):
-    """A model run as a plan with parameter casts runs it (``hooked``): every
-    tensor its forward saves goes through the cast hook
-    (:mod:`autosac.applier.casts`); ``autocast``: under CPU autocast (bfloat16)."""
-
-    def __init__(self, inner: nn.Module, autocast: bool, hooked: bool) -> None:
-        super().__init__()
-        self.inner, self.autocast, self.hooked = inner, autocast, hooked
-
-    def forward(self, x):
-        from contextlib import nullcontext
-
-        from autosac.applier.casts import pack_cast, unpack_cast
-
-        hooks = torch.autograd.graph.saved_tensors_hooks(pack_cast, unpack_cast) if self.hooked else nullcontext()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast), hooks:
-            return self.inner(x)
-
-    def count_saves(self, x) -> tuple[int, int]:
-        """How many tensors one forward saves, and how many of them are parameter casts."""
-        from autosac.applier.casts import _param_behind
-
-        seen = [0, 0]
-
-        def pack(t):
-            seen[0] += 1
-            seen[1] += _param_behind(t) is not None
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
-                self.inner(x)
-        return seen[0], seen[1]
 
 
 def _figures(setup: dict, times: dict[str, float], forwards: dict[str, float]) -> dict:
