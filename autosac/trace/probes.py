@@ -56,12 +56,11 @@ def needs_probe(func, args, device_type: str = "cpu") -> bool:
         return True
     if device_type == "cpu" and torch.Tag.pointwise not in func.tags and not is_view_op(func) and _half(args):
         return True
-    return name in _HALF_MATMULS and any(
-        isinstance(a, torch.Tensor) and a.dtype in (torch.bfloat16, torch.float16) for a in args
-    )
+    return name in _HALF_MATMULS and _half(args)
 
 
 def _half(args) -> bool:
+    """Whether any tensor among the op's arguments is in half precision."""
     return any(isinstance(a, torch.Tensor) and a.dtype in (torch.bfloat16, torch.float16) for a in tree_leaves(args))
 
 
@@ -69,6 +68,8 @@ def _mixed_floats(args) -> bool:
     """Whether the op's tensor arguments (not 0-dim ones) hold more than one floating dtype."""
     dtypes = {a.dtype for a in tree_leaves(args) if isinstance(a, torch.Tensor) and a.dim() and a.is_floating_point()}
     return len(dtypes) > 1
+
+
 _PROBE_CAP_BYTES = 256 << 20
 PROBE_CAP_FLOPS = 3e10  # a probe runs the kernel for real: about a second here at most
 
