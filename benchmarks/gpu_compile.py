@@ -8,8 +8,10 @@ For each model (bf16 autocast, AdamW, the held loop): eager; ``torch.compile``;
 each fraction (its measured peak and step); then, at each of those measured
 peaks and at 50 % and the least eager peak, autosac's plan fitted for inductor
 (``solve(..., target="h100", compile="inductor")``, planned from a meta copy:
-no GPU needed to plan) and its eager plan, each with predicted beside
-measured.  Goal: every autosac compiled row within its budget and no slower
+no GPU needed to plan; where that is the partitioner's own budget at a
+fraction found in fake mode, also the best plan that checkpoints modules,
+except with ``--quick``)
+and its eager plan, each with predicted beside measured.  Goal: every autosac compiled row within its budget and no slower
 than ``activation_memory_budget`` at the same peak.  ``--quick``: gpt2 at 0.5
 only (what ``gpu_check.sh`` runs in its five minutes).
 
@@ -28,6 +30,7 @@ import time
 import torch
 
 import autosac
+from autosac.compile.fit import fit_for_compile
 from autosac.core.budget import format_bytes
 from autosac.core.errors import InfeasibleBudgetError
 from autosac.models import build_model
@@ -61,16 +64,29 @@ def _measure(model, idx, compiled: bool, fraction: float | None = None):
     return m, time.perf_counter() - t0
 
 
-def _plan(meta, idx_meta, budget, compile_: str | None):
+VARIANTS = {  # autosac's rows: label -> how it plans
+    "compiled": dict(compile="inductor"),  # what solve(..., compile="inductor") returns
+    "compiled, checkpoints only": dict(compile="inductor", partitioner=False),  # the partitioner's budget not weighed
+    "eager": dict(compile=None),
+}
+
+
+def _solve(meta, idx_meta, budget, compile=None, partitioner=None):
+    if partitioner is None:
+        return autosac.solve(meta, budget, idx_meta, target="h100", autocast=BF16, compile=compile)
+    stats = autosac.profile(meta, idx_meta, target="h100", autocast=BF16)
+    return fit_for_compile(meta, stats, budget, idx_meta, backend=compile, partitioner=partitioner)
+
+
+def _plan(meta, idx_meta, budget, how: dict):
     """autosac's plan for ``budget`` bytes; under compile, the least compiled
     peak seen when ``budget`` is below every plan's."""
     try:
-        return autosac.solve(meta, budget, idx_meta, target="h100", autocast=BF16, compile=compile_), None
+        return _solve(meta, idx_meta, budget, **how), None
     except InfeasibleBudgetError as e:
-        if compile_ is None:
+        if how["compile"] is None:
             return None, f"infeasible: least {format_bytes(e.min_feasible_bytes)}"
-        plan = autosac.solve(meta, e.min_feasible_bytes, idx_meta, target="h100", autocast=BF16, compile=compile_)
-        return plan, f"raised to {format_bytes(e.min_feasible_bytes)}"
+        return _solve(meta, idx_meta, e.min_feasible_bytes, **how), f"raised to {format_bytes(e.min_feasible_bytes)}"
 
 
 def _row(out, label, budget, m, base_ms, plan=None, note="", seconds=0.0):
@@ -110,20 +126,24 @@ def compare_model(key: str, fractions: list[float], out: list[str], quick: bool 
         least = autosac.solve(stats, "least").predicted_peak_bytes
         budgets += [("at 50 %", stats.peak_bytes // 2, None), ("at least", least, None)]
     for what, budget, theirs in budgets:
-        for compile_ in ("inductor", None):
+        for label, how in VARIANTS.items():
+            if quick and label == "compiled, checkpoints only":
+                continue  # a second fit: minutes
             model.load_state_dict(state)
             t0 = time.perf_counter()
-            plan, note = _plan(meta, idx_meta, budget, compile_)
+            plan, note = _plan(meta, idx_meta, budget, how)
             if plan is None:
-                out.append(f"| autosac {'compiled' if compile_ else 'eager'} plan {what} | {format_bytes(budget)} "
+                out.append(f"| autosac {label} plan {what} | {format_bytes(budget)} "
                            f"| - | - | - | - | - | - | - | - | - | {note} |")
                 continue
             autosac.apply(model, plan)
-            m, _ = _measure(model, idx, compiled=compile_ is not None)
+            m, _ = _measure(model, idx, compiled=how["compile"] is not None)
             autosac.unapply(model)
             vs = f"{m.step_ms / theirs.step_ms:.3f}x theirs" if theirs is not None else ""
-            _row(out, f"autosac {'compiled' if compile_ else 'eager'} plan {what}", plan.budget_bytes, m,
-                 eager.step_ms, plan, "; ".join(x for x in (note, vs) if x), time.perf_counter() - t0)
+            kind = (f"partitioner at {plan.compiled['partitioner_budget']:.4g}"
+                    if "partitioner_budget" in plan.compiled else "")
+            _row(out, f"autosac {label} plan {what}", plan.budget_bytes, m, eager.step_ms, plan,
+                 "; ".join(x for x in (kind, note, vs) if x), time.perf_counter() - t0)
     del model
     _release()
 

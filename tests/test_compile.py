@@ -416,7 +416,11 @@ def test_the_compiled_peak_under_autocast_matches_the_allocator():
 def test_a_compiled_plan_for_a_cuda_target_is_fitted_without_a_gpu():
     """target='h100' with bf16 autocast, planned on the CPU from a meta model:
     the compiled step traced with CUDA's casts and kernels and the workspaces
-    fits the budget, and is the traced peak of the plan applied."""
+    fits the budget, and is the traced peak of the plan applied -- both the
+    plan that checkpoints modules and the one solve returns (here the
+    partitioner's budget: its step runs no more matmul work)."""
+    from autosac.compile.fit import fit_for_compile
+
     model, idx = build_model("gpt2", device="meta", batch=8, n_layer=2, dim=256, n_head=4, seq=256, vocab=2048,
                              dropout=0.0)
     import warnings
@@ -427,13 +431,19 @@ def test_a_compiled_plan_for_a_cuda_target_is_fitted_without_a_gpu():
                              optimizer="sgd")
     # the fitting's traces run the plan on fake parameters: no "the model runs on cpu" warning
     assert not [w for w in caught if "runs on" in str(w.message)], [str(w.message) for w in caught]
-    assert plan.compiled["backend"] == "inductor" and plan.decisions
-    assert plan.predicted_peak_bytes <= plan.budget_bytes
-    autosac.apply(model, plan)
-    again = autosac.compile.compiled_peak(model, idx, optimizer="sgd", backend="inductor", target="h100",
-                                        autocast=torch.bfloat16)
-    rng_states = len(plan.decisions) * (torch.get_rng_state().numel() + 16)  # what each region's checkpoint keeps
-    assert again.peak_bytes + rng_states == plan.predicted_peak_bytes and again.breakdown["workspace"] == 64 << 20
+    stats = autosac.profile(model, idx, target="h100", autocast=torch.bfloat16, optimizer="sgd")
+    checkpoints = fit_for_compile(model, stats, "80%", idx, backend="inductor", optimizer="sgd", partitioner=False)
+    assert checkpoints.decisions and "partitioner_budget" not in checkpoints.compiled
+    assert plan.compiled["backend"] == "inductor" and not plan.decisions
+    assert 0 < plan.compiled["partitioner_budget"] < 1
+    for p in (plan, checkpoints):
+        assert p.predicted_peak_bytes <= p.budget_bytes
+        autosac.apply(model, p)
+        again = autosac.compile.compiled_peak(model, idx, optimizer="sgd", backend="inductor", target="h100",
+                                            autocast=torch.bfloat16)
+        autosac.unapply(model)
+        rng_states = len(p.decisions) * (torch.get_rng_state().numel() + 16)  # what each region's checkpoint keeps
+        assert again.peak_bytes + rng_states == p.predicted_peak_bytes and again.breakdown["workspace"] == 64 << 20
 
 
 def test_compiled_plans_price_fused_recompute_at_nothing():

@@ -24,7 +24,8 @@ from dataclasses import replace as dc_replace
 import torch
 
 from autosac.applier import applied_plan, apply, unapply
-from autosac.compile.trace import compiled_peak
+from autosac.compile.partitioner import search_fraction
+from autosac.compile.trace import CompiledPeak, compiled_peak
 from autosac.core.budget import format_bytes, is_least
 from autosac.core.devices import DeviceSpec
 from autosac.core.errors import InfeasibleBudgetError
@@ -42,18 +43,25 @@ MIN_GAIN = 0.005  # stop refining a fit that can win at most this fraction of th
 
 
 def fit_for_compile(model, stats: ModelStats, budget, example_inputs, *, backend: str,
-                    loss_fn=None, optimizer="adamw", reserve=0, max_choices: int = 16, **solve_kwargs) -> Plan:
-    """The least-recompute plan found whose compiled step's peak fits ``budget_bytes``.
+                    loss_fn=None, optimizer="adamw", reserve=0, max_choices: int = 16,
+                    partitioner: bool | None = None, **solve_kwargs) -> Plan:
+    """The plan found whose compiled step's peak fits ``budget`` with the least recomputation.
 
-    The eager optimum for the budget is tried first (when its compiled step
-    fits, nothing can do better).  Otherwise the eager budget is lowered by the
+    The compiled step without a plan is traced first: if it fits, nothing is
+    checkpointed.  Then plans that checkpoint modules: the eager optimum for
+    the budget is tried first, then the eager budget is lowered by the
     compiled overshoot until a plan fits -- down to the eager least-peak plan,
     whose compiled step may still fit: compiled and eager peaks differ both
     ways, and are not monotone in the eager budget (with dropout, discarding
     more in eager can keep more compiled), so once the least plan has been
     tried the widest untried range of eager budgets is probed -- and after a
-    fit, raised again by bisection to recompute less; :data:`MAX_ROUNDS` traced
-    plans in all.
+    fit, raised again by bisection to recompute less; :data:`MAX_ROUNDS`
+    traced plans in all.  Under inductor the partitioner's own budget is
+    weighed first (:mod:`autosac.compile.partitioner`): the fraction whose
+    compiled step fits, kept where its step runs no more matmul work than the
+    checkpointing plan's (ties go to the partitioner, whose recomputation is
+    fused pointwise work; where it re-runs no matmul at all, no checkpointing
+    plan is tried).
 
     Args:
         model: the model ``stats`` was profiled from, without a plan applied: each
@@ -65,10 +73,13 @@ def fit_for_compile(model, stats: ModelStats, budget, example_inputs, *, backend
         example_inputs, loss_fn, optimizer: as given to the profile.
         backend: one of :data:`COMPILE_BACKENDS`.
         max_choices, solve_kwargs: passed to the solver (``solver``, ``time_limit_s``, ``presolve``).
+        partitioner: weigh the partitioner's budget (None: under inductor, whose
+            partitioner takes one).
 
     Returns:
         Plan with ``predicted_peak_bytes`` the compiled step's peak and
-        ``compiled`` = {backend, eager_peak_bytes, eager_budget_bytes, rounds}.
+        ``compiled`` = {backend, eager_peak_bytes, eager_budget_bytes, rounds}
+        (and ``partitioner_budget``, the fraction, where the partitioner's plan was kept).
 
     Raises:
         InfeasibleBudgetError: no plan tried had a compiled step that fits;
@@ -89,8 +100,39 @@ def fit_for_compile(model, stats: ModelStats, budget, example_inputs, *, backend
                          "eager peak, which the compiled step need not reach")
     budget_bytes = usable_budget(budget, reserve, problem.baseline_peak)
     solve_kwargs.update(max_choices=max_choices, problem=problem)
+    empty = solve_stats(stats, problem.baseline_peak, **solve_kwargs)  # no module checkpointed
+    tracer = _Tracer(model, example_inputs, loss_fn, optimizer, backend, stats, empty)
+    plain = tracer.plan(empty)
+    if plain.peak_bytes <= budget_bytes:  # the compiled step fits as it is
+        return _finish(empty, plain, budget_bytes, backend, problem.baseline_peak, 1)
+    if partitioner is None:
+        partitioner = backend == "inductor"
+    best, tried = search_fraction(tracer.fraction, budget_bytes) if partitioner else (None, [])
+    if best is not None and best.peak.kernel_ms <= plain.kernel_ms:
+        search = _EagerBudgets(budget_bytes)  # it re-runs no matmul: no checkpointing plan can run less
+    else:
+        search = _fit_checkpoints(stats, budget_bytes, solve_kwargs, tracer, {applied_key(empty): plain})
+    rounds = 1 + len(search.peaks) + len(tried)  # plans tried: a plan proposed again counts, though traced once
+    if best is not None and (not search.fits or best.peak.kernel_ms <= search.best_fit()[1].kernel_ms):
+        plan = _partitioner_plan(empty, best.fraction, best.peak, plain)
+        return _finish(plan, best.peak, budget_bytes, backend, problem.baseline_peak, rounds)
+    if not search.fits:
+        peaks = [plain.peak_bytes, *search.peaks, *(t.peak.peak_bytes for t in tried)]
+        raise InfeasibleBudgetError(
+            f"under torch.compile(backend={backend!r}) no plan found fits {format_bytes(budget_bytes)}: the least "
+            f"compiled peak among the {len(peaks)} plans traced was {format_bytes(min(peaks))} -- raise the budget "
+            "to at least that",
+            min(peaks),
+        )
+    plan, peak, inner = search.best_fit()
+    return _finish(plan, peak, budget_bytes, backend, inner, rounds)
+
+
+def _fit_checkpoints(stats: ModelStats, budget_bytes: int, solve_kwargs: dict, tracer: _Tracer,
+                     traced: dict) -> _EagerBudgets:
+    """The checkpointing plans :func:`fit_for_compile` traces, eager budget by
+    eager budget; ``traced``: applied_key -> CompiledPeak, filled as it goes."""
     search = _EagerBudgets(budget_bytes, min_gain_ms=MIN_GAIN * stats.step_ms)
-    traced: dict[tuple, int] = {}  # applied_key -> compiled peak
     inner = budget_bytes
     while len(search.peaks) < MAX_ROUNDS and inner not in search.tried:
         search.tried.add(inner)
@@ -102,29 +144,54 @@ def fit_for_compile(model, stats: ModelStats, budget, example_inputs, *, backend
             search.lowest = inner = e.min_feasible_bytes  # try the least-peak plan itself
             continue
         key = applied_key(plan)
-        peak = traced.get(key)
-        if peak is None:  # neighbouring eager budgets often give the same plan: its compiled step is traced once
-            peak = _compiled_peak_of(model, plan, example_inputs, loss_fn, optimizer, backend, stats)
-            peak += stats.checkpoint_state_bytes * len(plan.decisions)  # RNG state a graph-broken region keeps
-            traced[key] = peak
-        inner = search.next(plan, peak, inner)
+        if key not in traced:  # neighbouring eager budgets often give the same plan: its compiled step is traced once
+            traced[key] = tracer.plan(plan)
+        inner = search.next(plan, traced[key], inner)
         if inner is None:
             break
-    fits, peaks = search.fits, search.peaks
-    if not fits:
-        least = min(peaks) if peaks else budget_bytes
-        raise InfeasibleBudgetError(
-            f"under torch.compile(backend={backend!r}) no plan found fits {format_bytes(budget_bytes)}: the least "
-            f"compiled peak among the {len(peaks)} plans traced was {format_bytes(least)} -- raise the budget to at "
-            "least that",
-            least,
-        )
-    plan, peak, inner = min(fits, key=lambda f: (f[0].recompute_ms, f[1]))
-    plan.compiled = {"backend": backend, "eager_peak_bytes": plan.predicted_peak_bytes,
-                     "eager_budget_bytes": inner, "rounds": len(peaks)}
-    plan.predicted_peak_bytes = peak
+    return search
+
+
+def _partitioner_plan(empty: Plan, fraction: float, peak: CompiledPeak, plain: CompiledPeak) -> Plan:
+    """``empty`` (no module checkpointed) made the partitioner's plan at
+    ``fraction``: its recomputation is the matmul work its compiled step adds
+    to the step without a budget (fused pointwise work counted free)."""
+    plan = dc_replace(empty, decisions={}, details={})
+    plan.recompute_ms = max(0.0, peak.kernel_ms - plain.kernel_ms)
+    plan.step_ms = plan.baseline_step_ms + plan.recompute_ms
+    plan.compiled = {"partitioner_budget": fraction}
+    return plan
+
+
+def _finish(plan: Plan, peak: CompiledPeak, budget_bytes: int, backend: str, inner: int, rounds: int) -> Plan:
+    """``plan`` as :func:`fit_for_compile` returns it: the compiled peak predicted."""
+    plan.compiled = {"backend": backend, "eager_peak_bytes": plan.predicted_peak_bytes, "eager_budget_bytes": inner,
+                     "rounds": rounds, **plan.compiled}
+    plan.predicted_peak_bytes = peak.peak_bytes
     plan.budget_bytes = budget_bytes
     return plan
+
+
+class _Tracer:
+    """Traces compiled steps for :func:`fit_for_compile`."""
+
+    def __init__(self, model, example_inputs, loss_fn, optimizer, backend: str, stats: ModelStats,
+                 empty: Plan) -> None:
+        self.model, self.example_inputs, self.loss_fn = model, example_inputs, loss_fn
+        self.optimizer, self.backend, self.stats, self.empty = optimizer, backend, stats, empty
+
+    def plan(self, plan: Plan) -> CompiledPeak:
+        """The compiled step's peak with ``plan`` applied (and the RNG state each
+        of its checkpointed modules keeps when a region is graph-broken)."""
+        peak = _compiled_peak_of(self.model, plan, self.example_inputs, self.loss_fn, self.optimizer,
+                                 self.backend, self.stats)
+        peak.peak_bytes += self.stats.checkpoint_state_bytes * len(plan.decisions)
+        return peak
+
+    def fraction(self, fraction: float) -> CompiledPeak:
+        """The compiled step's peak with the partitioner's plan at ``fraction``
+        applied (:mod:`autosac.applier.partitioner`)."""
+        return self.plan(dc_replace(self.empty, compiled={"partitioner_budget": fraction}))
 
 
 def applied_key(plan: Plan) -> tuple:
@@ -147,19 +214,24 @@ class _EagerBudgets:
         # budget grows), so the fit's recompute less the failure's bounds the gain
         self.min_gain_ms = min_gain_ms
         self.fail_ms: float | None = None  # the recompute of the plan at fail_at
-        self.fits: list[tuple[Plan, int, int]] = []
+        self.fits: list[tuple[Plan, CompiledPeak, int]] = []
         self.peaks: list[int] = []
         self.tried: set[int] = set()
         self.lowest: int | None = None  # the least eager peak any plan reaches, once known
         self.fit_at: int | None = None  # the highest eager budget whose plan fit
         self.fail_at: int | None = None  # the lowest whose plan did not
 
-    def next(self, plan: Plan, peak: int, inner: int) -> int | None:
-        """Record ``plan`` (solved for eager budget ``inner``, compiled peak
-        ``peak``); the eager budget to try next, or None to stop."""
+    def best_fit(self) -> tuple[Plan, CompiledPeak, int]:
+        """The fit that recomputes least: (plan, its compiled peak, its eager budget)."""
+        return min(self.fits, key=lambda f: (f[0].recompute_ms, f[1].peak_bytes))
+
+    def next(self, plan: Plan, compiled: CompiledPeak, inner: int) -> int | None:
+        """Record ``plan`` (solved for eager budget ``inner``, compiled step
+        ``compiled``); the eager budget to try next, or None to stop."""
+        peak = compiled.peak_bytes
         self.peaks.append(peak)
         if peak <= self.budget:
-            self.fits.append((plan, peak, inner))
+            self.fits.append((plan, compiled, inner))
             self.fit_at = max(self.fit_at or 0, inner)
             if inner == self.budget:
                 return None  # the eager optimum fits: no plan recomputes less
@@ -223,7 +295,7 @@ def _widest_gap_middle(points: list[int], tolerance: int) -> int | None:
 
 
 def _compiled_peak_of(model, plan: Plan, example_inputs, loss_fn, optimizer, backend: str,
-                      stats: ModelStats) -> int:
+                      stats: ModelStats) -> CompiledPeak:
     """The compiled step's peak with ``plan`` applied, on the profile's target
     and autocast; the model is left without a plan."""
     target = DeviceSpec.from_dict(stats.target)
@@ -231,7 +303,7 @@ def _compiled_peak_of(model, plan: Plan, example_inputs, loss_fn, optimizer, bac
     apply(model, plan)
     try:
         return compiled_peak(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, backend=backend,
-                             output_held=plan.output_held, target=target, autocast=autocast).peak_bytes
+                             output_held=plan.output_held, target=target, autocast=autocast)
     finally:
         unapply(model)
 

@@ -58,12 +58,19 @@ _CPU_KERNELS_UNTIMED = replace(DEVICES["a100"], name="cpu-kernels", device_type=
 class CompiledPeak:
     """Peak tensor bytes of one compiled training step (``peak_phase``:
     forward, loss, backward or optimizer; ``breakdown``: bytes alive at the
-    peak by kind)."""
+    peak by kind); ``flops`` and ``kernel_ms``: the floating-point operations
+    of the ops the step runs as library kernels (under inductor: matmuls,
+    attention, convolutions; its fused kernels are not counted) in the
+    forward, loss and backward, and their time on the target (a CPU target's
+    measured op times, a CUDA target's roofline): what a plan's recomputation
+    adds to them is the matmul work it re-runs."""
 
     peak_bytes: int
     peak_phase: str
     breakdown: dict[str, int]
     backend: str
+    flops: int = 0
+    kernel_ms: float = 0.0
 
 
 def compiled_peak(
@@ -139,17 +146,21 @@ def compiled_peak(
     at = int(np.argmax(live)) if len(live) else 0
     peak = int(live[at]) if len(live) else 0
     phase = rec.phases[at] if len(live) else "forward"
-    return CompiledPeak(peak, phase, peak_breakdown(rec, at), backend)
+    kernels = [(f, ms) for f, ms, ph in zip(rec.flops, rec.ms, rec.phases) if f > 0 and ph != "optimizer"]
+    return CompiledPeak(peak, phase, peak_breakdown(rec, at), backend, int(sum(f for f, _ in kernels)),
+                        float(sum(ms for _, ms in kernels)))
 
 
 def _kernels_of(target) -> DeviceSpec:
-    """The spec a compiled trace runs under: ``target``'s kernels (a roofline
-    prices them: only bytes are kept), the CPU's when there is none."""
+    """The spec a compiled trace runs under: ``target``'s kernels, priced by a
+    roofline for a CUDA target and by this CPU's op timings (cached, as the
+    profile's) for a measured CPU target; without a target, the CPU's kernels
+    and a roofline (only bytes are wanted)."""
     if target is None:
         return _CPU_KERNELS_UNTIMED
     spec = resolve_target(target)
     if spec.device_type != "cuda":
-        return _CPU_KERNELS_UNTIMED
+        return spec if spec.measured else _CPU_KERNELS_UNTIMED
     return replace(spec, measured=False, host=HostCosts())
 
 

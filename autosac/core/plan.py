@@ -104,8 +104,9 @@ class Plan:
     autocast: str = ""  # the step runs under torch.autocast in this dtype ("bfloat16"), or ""
     sharding: str = ""  # with world_size > 1: how the FSDP2 units were chosen ("13 units one per block, and the root")
     gathered_dtypes: dict[str, str] = field(default_factory=dict)  # params it counts gathered downcast (autosac.zero3)
-    # made for torch.compile (autosac.compile.fit): {backend, eager_peak_bytes, eager_budget_bytes, rounds}; the
-    # predicted peak is then the compiled step's
+    # made for torch.compile (autosac.compile.fit): {backend, eager_peak_bytes, eager_budget_bytes, rounds}, and
+    # partitioner_budget where the plan is torch.compile's partitioner at that activation_memory_budget for this
+    # model's graphs (no module checkpointed: autosac.applier.partitioner); the predicted peak is the compiled step's
     compiled: dict = field(default_factory=dict)
     # the loop it is made for (autosac.core.loop): True = `out = model(x)` held through backward, False = dropped
     output_held: bool = True
@@ -178,6 +179,12 @@ class Plan:
             if not 0 < ratio <= 1:
                 raise StatsFormatError(f"discard ratio {ratio!r} of {fqn!r} is not in (0, 1]")
             _check_calls(self.details[fqn], f"details[{fqn!r}]")
+        fraction = self.compiled.get("partitioner_budget")
+        if fraction is not None:
+            if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+                raise StatsFormatError(f"compiled['partitioner_budget'] must be a number in [0, 1], got {fraction!r}")
+            if self.decisions:
+                raise StatsFormatError("a plan kept by the partitioner's budget checkpoints no module")
         names = set(self.decisions)
         for name in names:
             parts = name.split(".") if name else []
@@ -236,6 +243,9 @@ def plan_table(plan) -> str:
                 f"{fqn or '(root)':<{width}}  {d.ratio:>7.1%}  {format_bytes(d.discard_bytes):>11}"
                 f"  {d.recompute_ms:>8.2f} ms  {ops}"
             )
+    elif plan.compiled.get("partitioner_budget") is not None:
+        lines.append(f"no module checkpointed: torch.compile's partitioner recomputes, at activation_memory_budget="
+                     f"{plan.compiled['partitioner_budget']:.4g} for this model's graphs (under torch.compile only)")
     else:
         lines.append("no activation checkpointing needed: the step fits the budget as it is")
     s = plan.solver

@@ -1,0 +1,94 @@
+"""A compiled plan kept by PyTorch's own partitioner, scoped to one model.
+
+Under ``torch.compile`` AOTAutograd's min-cut partitioner picks what the
+forward saves for the backward; with an activation memory budget (a fraction:
+1.0 its default, 0.0 the least it can save) it recomputes, by a knapsack over
+the joint graph, what costs the fewest FLOPs.  Some compiled plans
+(:func:`autosac.compile.fit.fit_for_compile`) are that budget: no module is
+checkpointed, and the plan records the fraction whose compiled step was traced
+to fit the bytes asked for (``plan.compiled["partitioner_budget"]``).
+
+:func:`wrap_root` makes it the model's own: the model's forward runs under
+``torch.autograd.graph.region_activation_memory_budget(fraction)`` while
+Dynamo traces it, so the budget applies to the graphs of this model and to no
+other compile in the process (``torch._functorch.config`` is never changed).
+Eager, the forward runs as it is.  That context manager is new in torch 2.13;
+with an older torch the applied model's hooks hold the process-wide setting
+through each of its calls instead (:func:`scoped_budget`).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import weakref
+
+import torch
+from torch import nn
+
+__all__ = ["BudgetedForward", "supported", "scoped_budget", "wrap_root", "unwrap_root"]
+
+
+def supported() -> bool:
+    """Whether this torch can scope a partitioner budget to one model's graphs
+    (``torch.autograd.graph.region_activation_memory_budget``, torch >= 2.13)."""
+    return hasattr(torch.autograd.graph, "region_activation_memory_budget")
+
+
+class BudgetedForward:
+    """The forward :func:`wrap_root` sets on a model: the one it had (``own``,
+    or its class's when None), under the partitioner budget ``fraction`` (kept as text) while
+    compiling.  It holds the model weakly (the model holds it: no cycle for
+    the garbage collector), pickles and deep-copies with the model."""
+
+    __slots__ = ("ref", "own", "fraction", "__weakref__")
+
+    def __init__(self, model: nn.Module, own, fraction: float) -> None:
+        self.ref, self.own, self.fraction = weakref.ref(model), own, repr(float(fraction))
+
+    def __call__(self, *args, **kwargs):
+        model = self.ref()
+        original = self.own if self.own is not None else functools.partial(type(model).forward, model)
+        if not torch.compiler.is_compiling():
+            return original(*args, **kwargs)
+        # as text: a float attribute would reach Dynamo as a symbolic input, the budget must be a constant
+        with torch.autograd.graph.region_activation_memory_budget(float(self.fraction)):
+            return original(*args, **kwargs)
+
+    def __reduce__(self):
+        return BudgetedForward, (self.ref(), self.own, float(self.fraction))
+
+    def __deepcopy__(self, memo):
+        model = self.ref()
+        return BudgetedForward(memo.get(id(model), model), copy.deepcopy(self.own, memo), float(self.fraction))
+
+
+def scoped_budget(fraction: float):
+    """Before torch 2.13: the process-wide ``activation_memory_budget`` at
+    ``fraction``, as a context the applied model's hooks hold through each of
+    its calls (:mod:`autosac.applier.model`).  Under ``torch.compile`` those
+    hooks run outside Dynamo's graphs, so the model's forward is traced and
+    partitioned in a graph that starts after the entry hook set it: the
+    fraction reaches this model's graphs; the setting is back as it was when
+    the call returns or raises.  A compile on another thread meanwhile would
+    see it too (the price of torch without ``region_activation_memory_budget``)."""
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(activation_memory_budget=float(fraction))
+
+
+def wrap_root(model: nn.Module, fraction: float) -> None:
+    """Run ``model``'s forward under the partitioner budget ``fraction`` when
+    compiled (torch >= 2.13: :func:`supported`)."""
+    model.__dict__["forward"] = BudgetedForward(model, model.__dict__.get("forward"), fraction)
+
+
+def unwrap_root(model: nn.Module) -> None:
+    """Put back the forward ``model`` had before :func:`wrap_root` (one set since stays)."""
+    fwd = model.__dict__.get("forward")
+    if type(fwd) is not BudgetedForward or fwd.ref() is not model:
+        return
+    if fwd.own is None:
+        del model.__dict__["forward"]
+    else:
+        model.__dict__["forward"] = fwd.own

@@ -1,0 +1,158 @@
+"""Compiled plans kept by torch.compile's own partitioner at a fraction found
+in fake mode (autosac.compile.partitioner, autosac.applier.partitioner)."""
+
+import copy
+import pickle
+
+import pytest
+import torch
+import torch._functorch.config as functorch_config
+from suite import A100_CPU_KERNELS  # an A100's op times, the CPU's kernels: plans free of timing noise
+
+import autosac
+from autosac.applier.partitioner import BudgetedForward, supported
+from autosac.compile.fit import fit_for_compile
+from autosac.compile.partitioner import search_fraction
+from autosac.compile.trace import CompiledPeak
+from autosac.core.errors import StatsFormatError
+from autosac.models import build_model
+
+CFG = dict(n_layer=2, dim=128, n_head=4, seq=256, vocab=4096, dropout=0.0)
+needs_region_api = pytest.mark.skipif(not supported(), reason="torch < 2.13: no region_activation_memory_budget")
+
+
+def _model():
+    torch.manual_seed(0)
+    return build_model("gpt2", device="cpu", batch=4, **CFG)
+
+
+def _step(model, idx):
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    compiled(idx).float().sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    model, idx = _model()
+    stats = autosac.profile(model, idx, optimizer="sgd", target=A100_CPU_KERNELS)
+    plan = fit_for_compile(model, stats, "90%", idx, backend="inductor", optimizer="sgd", partitioner=True)
+    return model, idx, plan
+
+
+@needs_region_api
+def test_the_partitioner_plan_is_the_global_setting_for_this_model_alone(fitted):
+    """Applied, the plan's fraction reaches this model's compiled graphs and no
+    other: gradients bitwise those of ``torch.compile`` under the process-wide
+    ``activation_memory_budget`` at that fraction, the measured peak within
+    the budget and as predicted, the process-wide setting untouched, and a
+    model compiled beside it gets the default partitioner."""
+    model, idx, plan = fitted
+    fraction = plan.compiled["partitioner_budget"]
+    assert not plan.decisions and 0 < fraction < 1 and plan.compiled["backend"] == "inductor"
+    reference = copy.deepcopy(model)
+    with functorch_config.patch(activation_memory_budget=fraction):
+        expected = _step(reference, idx)
+        budgeted = autosac.measure(torch.compile(reference), idx, optimizer="sgd", steps=1).peak_bytes
+    planned = autosac.apply(copy.deepcopy(model), plan)
+    got = _step(planned, idx)
+    assert got.keys() == expected.keys() and all(torch.equal(got[n], expected[n]) for n in got)
+    torch._dynamo.reset()
+    measured = autosac.measure(torch.compile(planned), idx, optimizer="sgd", steps=1).peak_bytes
+    assert measured == budgeted and measured <= plan.budget_bytes, (measured, budgeted, plan.budget_bytes)
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.005 * measured, (measured, plan.predicted_peak_bytes)
+    assert functorch_config.activation_memory_budget == 1.0
+    torch._dynamo.reset()
+    beside = autosac.measure(torch.compile(copy.deepcopy(model)), idx, optimizer="sgd", steps=1).peak_bytes
+    torch._dynamo.reset()
+    plain = autosac.measure(torch.compile(reference), idx, optimizer="sgd", steps=1).peak_bytes
+    assert beside == plain > plan.budget_bytes
+
+
+@needs_region_api
+def test_the_partitioner_plan_runs_eager_as_the_model_and_comes_off(fitted):
+    """Eager, the wrapped forward is the model's own (bitwise); the plan
+    prints what it is, survives a save and load, pickles and deep-copies with
+    the model (each copy's forward is its own), and unapply puts back a
+    forward the instance had before."""
+    model, idx, plan = fitted
+    assert "torch.compile's partitioner recomputes, at activation_memory_budget=" in str(plan)
+    again = autosac.Plan.from_json(plan.to_json())
+    assert again.compiled == plan.compiled
+    m = copy.deepcopy(model)
+    own = m.forward  # a forward set on the instance before apply
+    m.forward = own
+    expected = m(idx)
+    autosac.apply(m, again)
+    assert type(m.__dict__["forward"]) is BudgetedForward
+    assert torch.equal(m(idx), expected)
+    for c in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        assert c.__dict__["forward"].ref() is c and torch.equal(c(idx), expected)
+    autosac.unapply(m)
+    assert m.__dict__["forward"] is own
+
+
+def test_without_region_budgets_the_hooks_scope_the_setting_to_each_call(fitted, monkeypatch):
+    """Before torch 2.13 (no ``region_activation_memory_budget``: removed here)
+    the applied model's hooks hold the process-wide setting through each of
+    its calls: the compiled step partitions as under that setting (same
+    peak, bitwise gradients), and the setting is back at 1.0 after every call
+    -- a forward that raises too."""
+    model, idx, plan = fitted
+    fraction = plan.compiled["partitioner_budget"]
+    reference = copy.deepcopy(model)
+    with functorch_config.patch(activation_memory_budget=fraction):
+        expected = _step(reference, idx)
+        torch._dynamo.reset()
+        budgeted = autosac.measure(torch.compile(reference), idx, optimizer="sgd", steps=1).peak_bytes
+    monkeypatch.delattr(torch.autograd.graph, "region_activation_memory_budget", raising=False)
+    assert not supported()
+    planned = autosac.apply(copy.deepcopy(model), plan)
+    assert "forward" not in planned.__dict__
+    got = _step(planned, idx)
+    assert functorch_config.activation_memory_budget == 1.0
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
+    torch._dynamo.reset()
+    measured = autosac.measure(torch.compile(planned), idx, optimizer="sgd", steps=1).peak_bytes
+    assert measured == budgeted <= plan.budget_bytes
+    with pytest.raises(IndexError):
+        planned(idx.new_full(idx.shape, 10**6))  # an index past the vocabulary: the forward raises
+    assert functorch_config.activation_memory_budget == 1.0
+    assert not planned.__dict__["_autosac_cast_ctx"]
+
+
+def test_a_hand_edited_partitioner_budget_is_refused(fitted):
+    _, _, plan = fitted
+    for bad in (1.5, -0.1, "half", True):
+        edited = copy.deepcopy(plan)
+        edited.compiled["partitioner_budget"] = bad
+        with pytest.raises(StatsFormatError, match="partitioner_budget"):
+            edited.validate()
+    mixed = copy.deepcopy(plan)
+    mixed.decisions = {"blocks.0": 1.0}
+    mixed.details = {}
+    with pytest.raises(StatsFormatError):
+        mixed.validate()
+
+
+def _peak(peak_bytes: int, kernel_ms: float) -> CompiledPeak:
+    return CompiledPeak(peak_bytes, "backward", {}, "inductor", 0, kernel_ms)
+
+
+def test_the_fraction_search_keeps_the_cheapest_fit_though_peaks_are_not_monotone():
+    """Peaks as torch's partitioner gave them on a gpt2 (MiB: 0.3 above 0.5):
+    the bisection traces 0.5, 0.75, 0.625, 0.6875 and keeps, among the fits,
+    the one whose step runs the least matmul work -- ties to the higher fraction."""
+    table = {0.5: (213, 2.0), 0.75: (250, 0.0), 0.625: (230, 1.0), 0.6875: (231, 1.0)}
+    seen = []
+
+    def trace(f):
+        seen.append(f)
+        return _peak(*table[f])
+
+    best, tried = search_fraction(trace, budget_bytes=231)
+    assert seen == [0.5, 0.75, 0.625, 0.6875] and [t.fraction for t in tried] == seen
+    assert best.fraction == 0.6875
+    best, _ = search_fraction(lambda f: _peak(300, 0.0), budget_bytes=231)
+    assert best is None
