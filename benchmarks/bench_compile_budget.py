@@ -104,8 +104,9 @@ def _plan_variant(theirs: Variant, cfg, state, idx) -> Variant | str:
     autosac.apply(model, plan)
     v = Variant(f"autosac @ {theirs.name.split(' ', 1)[1]}", model)
     v.plan, v.budget, v.torch_ref = plan, budget, theirs
-    v.note = (f"{len(plan.decisions)} modules, {plan.compiled.get('rounds')} traced rounds, "
-              f"planned in {time.perf_counter() - t0:.0f} s")
+    kind = (f"the partitioner at {plan.compiled['partitioner_budget']:.4g}" if "partitioner_budget" in plan.compiled
+            else f"{len(plan.decisions)} modules")
+    v.note = f"{kind}, {plan.compiled.get('rounds')} traced rounds, planned in {time.perf_counter() - t0:.0f} s"
     return v
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU measurement the project claims, on one H100 or H200, in two parts that each fit a 600 s call:
 #
-#   PART=compile: the host calibration, the partitioner's traced peaks against measured (limit 130 s) and
+#   PART=compile: the host calibration, the partitioner's traced peaks against measured (limit 150 s; it
+#                 reproduces a wrong real step seen after a fake trace on an H100, session 5) and
 #                 the compiled comparison (limit 420 s; on a fresh H100, 2026-11-26, torch 2.11, its autosac
 #                 row alone did not finish in 200 s, and took 142 s warm);
 #   PART=rest:    everything else (limits 430 s; 290 s on a fresh H100, 2026-11-26).
@@ -25,7 +26,7 @@
 #   pack_downcast_cuda_*.json the native cast's CUDA kernel: bitwise, GB/s against a plain copy (and .txt)
 #   gpu_verify.md             eager plans: predicted against measured peak and step, bitwise
 #   gpu_compile.md            compiled plans against torch.compile's activation_memory_budget
-#   gpu_partitioner_peaks.md  the compiled step under activation_memory_budget 1.0 and 0.5: traced peak
+#   gpu_partitioner_peaks.md  the compiled step under activation_memory_budget 1.0: traced peak
 #                             (what a partitioner plan predicts) against measured
 #   gpu_overhead.txt          plans against torch.utils.checkpoint and torch's SAC at their peaks
 #   gpu_hf_gpt2.txt           transformers GPT-2: autosac's plan against its own gradient checkpointing
@@ -70,7 +71,7 @@ part() { [ -z "${PART:-}" ] || [ "$PART" = "$1" ]; }
 
 step calibrate 60 python3 -m autosac.cli calibrate
 if part compile; then
-  step partitioner_peaks 130 python3 benchmarks/gpu_partitioner_peaks.py "$DIR/gpu_partitioner_peaks.md"
+  step partitioner_peaks 150 python3 benchmarks/gpu_partitioner_peaks.py "$DIR/gpu_partitioner_peaks.md" --fractions 1.0
   if [ "${FULL:-0}" = 1 ]; then
     step gpu_compile 1500 python3 benchmarks/gpu_compile.py "$DIR/gpu_compile.md"
   else

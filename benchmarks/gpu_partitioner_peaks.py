@@ -8,7 +8,10 @@ predicts for the partitioner's plan) beside the CUDA allocator's measure.
 Built-in gpt2 (124M), batch 8, seq 1024, bf16 autocast, AdamW, the held loop.
 The trace runs on this machine's torch (the partitioner's choices differ
 between torch versions); the traced peak's phase and what is alive there by
-kind come with it.
+kind come with it.  The real step's warnings of ops run without an autograd
+formula, and Dynamo's counters, are kept: in a fresh process on an H100 the
+real step after the trace was wrong once (``results/gpu-2026-11-26-h100-s5``),
+and this script is that defect's reproduction.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import argparse
 import datetime
 import gc
 import time
+import warnings
 
 import torch
 import torch._functorch.config as functorch_config
@@ -47,7 +51,8 @@ def main() -> None:
             f"{torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch {torch.__version__}, gpt2 {cfg}, "
             "bf16 autocast, AdamW, held loop", "",
             "| fraction | traced peak | measured peak | error | traced phase | traced breakdown (MiB) | "
-            "traced kernel ms | step | trace s |", "|---|---|---|---|---|---|---|---|---|"]
+            "traced kernel ms | step | trace s | ops without autograd (a wrong step) | Dynamo counters |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for f in [float(x) for x in args.fractions.split(",")]:
         t0 = time.perf_counter()
         with functorch_config.patch(activation_memory_budget=f):
@@ -57,11 +62,18 @@ def main() -> None:
             if device == "cuda":
                 torch.cuda.empty_cache()
             torch._dynamo.reset()
-            m = autosac.measure(torch.compile(model), idx, steps=5, autocast=BF16)
+            counters = torch._dynamo.utils.counters
+            counters.clear()
+            with warnings.catch_warnings(record=True) as caught:  # a wrong step warns (results/gpu-2026-11-26-h100-s5)
+                warnings.simplefilter("always")
+                m = autosac.measure(torch.compile(model), idx, steps=5, autocast=BF16)
+        unregistered = sorted({str(w.message).split(":")[0] for w in caught if "autograd kernel" in str(w.message)})
+        dynamo = {k: dict(v) for k, v in counters.items() if k in ("graph_break", "stats", "unimplemented")}
         err = (traced.peak_bytes - m.peak_bytes) / m.peak_bytes
         kinds = {k: round(v / 2**20) for k, v in traced.breakdown.items() if v >= 2**20}
         rows.append(f"| {f} | {traced.peak_bytes / 2**20:.1f} MiB | {m.peak_bytes / 2**20:.1f} MiB | {err:+.2%} | "
-                    f"{traced.peak_phase} | {kinds} | {traced.kernel_ms:.2f} | {m.step_ms:.1f} ms | {seconds:.0f} |")
+                    f"{traced.peak_phase} | {kinds} | {traced.kernel_ms:.2f} | {m.step_ms:.1f} ms | {seconds:.0f} | "
+                    f"{unregistered or '-'} | {str(dynamo)[:400]} |")
         print(rows[-1], flush=True)
         with open(args.out, "w") as fh:
             fh.write("\n".join(rows) + "\n")
