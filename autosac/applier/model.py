@@ -316,8 +316,8 @@ def _enter_model(module, args, kwargs):
     # the cast hook sees every tensor the model saves: only where the traced step saved casts
     casts = state is None or state["plan"].param_casts
     ctx = torch.autograd.graph.saved_tensors_hooks(pack_cast, unpack_cast) if casts else None
-    budget = state and state.get("scoped_budget")  # torch < 2.13: the partitioner's budget through the call
-    budget = scoped_budget(budget) if budget is not None else None
+    fraction = state.get("scoped_budget") if state is not None else None  # torch < 2.13: the partitioner's
+    budget = scoped_budget(fraction) if fraction is not None else None  # budget, held through the call
     for c in (ctx, budget):
         if c is not None:
             c.__enter__()
