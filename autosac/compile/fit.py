@@ -7,9 +7,12 @@ can go over its budget once compiled (on the benchmark GPT at 50 %: by 7 %
 under aot_eager, 12 % under inductor).  :func:`fit_for_compile` closes the loop:
 solve, apply the plan, trace the compiled step in fake mode
 (:func:`autosac.compile.trace.compiled_peak`), and while that peak is over the
-budget, solve again for a budget lowered by the overshoot.  The returned
-plan's ``predicted_peak_bytes`` is the compiled step's; ``plan.compiled``
-records the backend, the eager prediction and the rounds taken.
+budget, solve again for a budget lowered by the overshoot.  Under inductor the partitioner's own
+memory budget, at a fraction found the same way, is weighed against those
+plans (:mod:`autosac.compile.partitioner`).  The returned plan's
+``predicted_peak_bytes`` is the compiled step's; ``plan.compiled`` records
+the backend, the eager prediction, the rounds taken and, for the
+partitioner's plan, its fraction.
 
 Example::
 

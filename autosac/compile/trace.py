@@ -16,8 +16,10 @@ peak matched the CPU allocator's to the byte (``tests/test_compile.py``);
 ``"inductor"`` compiles as inductor does, then runs inductor's own wrapper
 code on the fake tensors with its fused kernels skipped
 (:mod:`autosac.compile.inductor`): the buffers it allocates, views and frees
-are the step's memory.  Only bytes are kept: ops are priced by a roofline,
-never timed.
+are the step's memory.  Besides bytes, the time of the library kernels the
+step runs (matmuls, attention) is kept (``CompiledPeak.kernel_ms``): a CUDA
+target's roofline, or a CPU target's op timings (cached as the profile's);
+inductor's fused kernels are not priced.
 
 For a CUDA target (``target=``) the step is traced as the eager trace of that
 target runs it -- CUDA autocast's casts, CUDA's attention and dropout kernels
