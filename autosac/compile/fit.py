@@ -67,8 +67,9 @@ def fit_for_compile(model, stats: ModelStats, budget, example_inputs, *, backend
     weighed first (:mod:`autosac.compile.partitioner`): the fraction whose
     compiled step fits, kept where its step runs no more matmul work than the
     checkpointing plan's (ties go to the partitioner, whose recomputation is
-    fused pointwise work; where it re-runs no matmul at all, no checkpointing
-    plan is tried).  For a CUDA target the partitioner's plan keeps
+    fused pointwise work; where the matmul work it adds is under
+    :data:`MIN_GAIN` of the step, no checkpointing plan is tried: none could
+    win more).  For a CUDA target the partitioner's plan keeps
     :data:`CUDA_PARTITIONER_HEADROOM` of the budget free (its traced peak read
     1.5 % under an H100's allocator).
 
@@ -119,8 +120,10 @@ def fit_for_compile(model, stats: ModelStats, budget, example_inputs, *, backend
     headroom = CUDA_PARTITIONER_HEADROOM if stats.target.get("device_type") == "cuda" else 0.0
     best, tried = (search_fraction(tracer.fraction, int(budget_bytes * (1 - headroom))) if partitioner
                    else (None, []))
-    if best is not None and best.peak.kernel_ms <= plain.kernel_ms:
-        search = _EagerBudgets(budget_bytes)  # it re-runs no matmul: no checkpointing plan can run less
+    # a checkpointing plan's step runs at least the matmuls of the step without a plan: against the partitioner's
+    # best fit it can win at most what that fit adds to them -- not worth its traces when under MIN_GAIN of the step
+    if best is not None and best.peak.kernel_ms - plain.kernel_ms <= MIN_GAIN * stats.step_ms:
+        search = _EagerBudgets(budget_bytes)
     else:
         search = _fit_checkpoints(stats, budget_bytes, solve_kwargs, tracer, {applied_key(empty): plain})
     rounds = 1 + len(search.peaks) + len(tried)  # plans tried: a plan proposed again counts, though traced once
