@@ -3,6 +3,7 @@ in fake mode (autosac.compile.partitioner, autosac.applier.partitioner)."""
 
 import copy
 import pickle
+from dataclasses import replace
 
 import pytest
 import torch
@@ -37,6 +38,8 @@ def _step(model, idx):
 def fitted():
     model, idx = _model()
     stats = autosac.profile(model, idx, optimizer="sgd", target=A100_CPU_KERNELS)
+    if not supported():  # torch < 2.13 makes no such plans: one by hand, for the tests of refusing it
+        return model, idx, replace(autosac.solve(stats, stats.peak_bytes), compiled={"partitioner_budget": 0.5})
     plan = fit_for_compile(model, stats, "90%", idx, backend="inductor", optimizer="sgd", partitioner=True)
     return model, idx, plan
 
@@ -93,33 +96,44 @@ def test_the_partitioner_plan_runs_eager_as_the_model_and_comes_off(fitted):
     assert m.__dict__["forward"] is own
 
 
-def test_without_region_budgets_the_hooks_scope_the_setting_to_each_call(fitted, monkeypatch):
+def test_where_torch_cannot_scope_the_budget_apply_refuses_and_solve_never_offers_it(fitted, monkeypatch):
     """Before torch 2.13 (no ``region_activation_memory_budget``: removed here)
-    the applied model's hooks hold the process-wide setting through each of
-    its calls: the compiled step partitions as under that setting (same
-    peak, bitwise gradients), and the setting is back at 1.0 after every call
-    -- a forward that raises too."""
+    the process-wide setting is read when Dynamo compiles and not guarded: a
+    graph compiled for another instance of the class would be reused with its
+    budget.  So applying such a plan raises one line naming the fix and
+    changes nothing, and the fit does not offer the partitioner."""
     model, idx, plan = fitted
-    fraction = plan.compiled["partitioner_budget"]
-    reference = copy.deepcopy(model)
-    with functorch_config.patch(activation_memory_budget=fraction):
-        expected = _step(reference, idx)
-        torch._dynamo.reset()
-        budgeted = autosac.measure(torch.compile(reference), idx, optimizer="sgd", steps=1).peak_bytes
     monkeypatch.delattr(torch.autograd.graph, "region_activation_memory_budget", raising=False)
     assert not supported()
-    planned = autosac.apply(copy.deepcopy(model), plan)
-    assert "forward" not in planned.__dict__
-    got = _step(planned, idx)
-    assert functorch_config.activation_memory_budget == 1.0
-    assert all(torch.equal(got[n], expected[n]) for n in expected)
+    m = copy.deepcopy(model)
+    with pytest.raises(ValueError, match=r"activation_memory_budget=.*torch >= 2.13"):
+        autosac.apply(m, plan)
+    assert "forward" not in m.__dict__ and autosac.applier.applied_plan(m) is None
+    assert not m._forward_pre_hooks and not m._forward_hooks
+    stats = autosac.profile(model, idx, optimizer="sgd", target=A100_CPU_KERNELS)
+    with pytest.raises(ValueError, match="torch >= 2.13"):
+        fit_for_compile(model, stats, "90%", idx, backend="inductor", optimizer="sgd", partitioner=True)
+
+
+@needs_region_api
+def test_a_forward_set_after_apply_stops_the_budget_with_unapply(fitted):
+    """A forward set on the model after apply (accelerate's hooks) calls ours:
+    after unapply the compiled step is the default partitioner's again, and
+    the root keeps its own signature while applied."""
+    import inspect
+
+    model, idx, plan = fitted
+    m = copy.deepcopy(model)
+    autosac.apply(m, plan)
+    assert inspect.signature(m.forward) == inspect.signature(model.forward)
+    inner = m.forward
+    m.forward = lambda *a, **k: inner(*a, **k)  # set after apply
+    autosac.unapply(m)
     torch._dynamo.reset()
-    measured = autosac.measure(torch.compile(planned), idx, optimizer="sgd", steps=1).peak_bytes
-    assert measured == budgeted <= plan.budget_bytes
-    with pytest.raises(IndexError):
-        planned(idx.new_full(idx.shape, 10**6))  # an index past the vocabulary: the forward raises
-    assert functorch_config.activation_memory_budget == 1.0
-    assert not planned.__dict__["_autosac_cast_ctx"]
+    after = autosac.measure(torch.compile(m), idx, optimizer="sgd", steps=1).peak_bytes
+    torch._dynamo.reset()
+    plain = autosac.measure(torch.compile(copy.deepcopy(model)), idx, optimizer="sgd", steps=1).peak_bytes
+    assert after == plain > plan.budget_bytes
 
 
 def test_a_hand_edited_partitioner_budget_is_refused(fitted):
@@ -158,6 +172,7 @@ def test_the_fraction_search_keeps_the_cheapest_fit_though_peaks_are_not_monoton
     assert best is None
 
 
+@needs_region_api
 def test_where_the_partitioner_re_runs_no_matmul_no_checkpointing_plan_is_traced():
     """Between the unbudgeted compiled peak (67.3 MiB) and the partitioner's at
     0.75 (63.1 MiB, the same matmuls) the partitioner's plan adds no matmul

@@ -26,8 +26,8 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
 from autosac.applier.casts import pack_cast, unpack_cast
-from autosac.applier.partitioner import scoped_budget, unwrap_root, wrap_root
-from autosac.applier.partitioner import supported as region_budgets
+from autosac.applier.partitioner import require as require_partitioner
+from autosac.applier.partitioner import unwrap_root, wrap_root
 from autosac.applier.region import RegionPolicy, warn_user
 from autosac.core.errors import PlanMismatchError, StatsFormatError
 from autosac.core.fingerprint import model_fingerprint
@@ -38,8 +38,7 @@ from autosac.core.plan import Plan
 
 __all__ = ["apply", "unapply"]
 
-# the model's open contexts, one (parameter-cast hooks, scoped partitioner budget) pair per running forward
-_CAST_CTX = "_autosac_cast_ctx"
+_CAST_CTX = "_autosac_cast_ctx"  # the model's open parameter-cast hook contexts, one per running forward
 
 
 
@@ -62,7 +61,9 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
         PlanMismatchError: the plan was made for another model, or names a module
             the model does not have.  Nothing is changed.
         StatsFormatError: the plan is internally inconsistent (hand-edited).
-        ValueError: the model checkpoints by itself (transformers' gradient checkpointing).
+        ValueError: the model checkpoints by itself (transformers' gradient checkpointing),
+            or the plan is torch.compile's partitioner budget and this torch is older than 2.13
+            (:mod:`autosac.applier.partitioner`).
 
     Example::
 
@@ -78,6 +79,9 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     reason = own_checkpointing(model)
     if reason is not None:
         raise ValueError(reason)
+    fraction = plan.compiled.get("partitioner_budget")  # under torch.compile: the partitioner's, for this model
+    if fraction is not None:
+        require_partitioner(fraction)
     # Check everything before changing anything: nothing is applied halfway.
     modules = {}
     for fqn in plan.decisions:
@@ -100,16 +104,14 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     unapply(model)
     for fqn, mod in modules.items():
         _wrap_forward(mod, policies[fqn])
-    fraction = plan.compiled.get("partitioner_budget")  # under torch.compile: the partitioner's, for this model
-    if fraction is not None and region_budgets():
+    if fraction is not None:
         wrap_root(model, fraction)
     model.register_forward_pre_hook(_HOOKS["enter"], with_kwargs=True)
     model.register_forward_hook(_HOOKS["exit"], always_call=True)
     for _, inner in transformers_models(model):  # wherever they sit: the root or inside a wrapper
         inner.register_forward_pre_hook(_HOOKS["no_cache"], with_kwargs=True, prepend=True)
     setattr(model, APPLIED, {"plan": plan, "warned_shapes": set(), "checked_shapes": set(),
-                             "release": _Release(list(modules.values())),
-                             "scoped_budget": fraction if fraction is not None and not region_budgets() else None})
+                             "release": _Release(list(modules.values()))})
     model.__dict__[_CAST_CTX] = []  # made here, not at the first forward: a trace sees no new state
     return model
 
@@ -316,12 +318,9 @@ def _enter_model(module, args, kwargs):
     # the cast hook sees every tensor the model saves: only where the traced step saved casts
     casts = state is None or state["plan"].param_casts
     ctx = torch.autograd.graph.saved_tensors_hooks(pack_cast, unpack_cast) if casts else None
-    fraction = state.get("scoped_budget") if state is not None else None  # torch < 2.13: the partitioner's
-    budget = scoped_budget(fraction) if fraction is not None else None  # budget, held through the call
-    for c in (ctx, budget):
-        if c is not None:
-            c.__enter__()
-    module.__dict__.setdefault(_CAST_CTX, []).append((ctx, budget))
+    if ctx is not None:
+        ctx.__enter__()
+    module.__dict__.setdefault(_CAST_CTX, []).append(ctx)
     return None
 
 
@@ -342,9 +341,9 @@ def _no_cache(module, args, kwargs):
 def _exit_model(module, args, output):
     stack = module.__dict__.get(_CAST_CTX)
     if stack:
-        for ctx in reversed(stack.pop()):
-            if ctx is not None:
-                ctx.__exit__(None, None, None)
+        ctx = stack.pop()
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
 
 
 _HOOK_FNS = {"enter": _enter_model, "exit": _exit_model, "no_cache": _no_cache}

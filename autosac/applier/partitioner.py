@@ -13,20 +13,25 @@ to fit the bytes asked for (``plan.compiled["partitioner_budget"]``).
 Dynamo traces it, so the budget applies to the graphs of this model and to no
 other compile in the process (``torch._functorch.config`` is never changed).
 Eager, the forward runs as it is.  That context manager is new in torch 2.13;
-with an older torch the applied model's hooks hold the process-wide setting
-through each of its calls instead (:func:`scoped_budget`).
+an older torch cannot apply such a plan (:func:`require`): the process-wide
+setting is read when Dynamo compiles and not guarded, so a graph compiled for
+another instance of the same class would be reused with its budget, or this
+model's budget leak into the other's.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import weakref
 
 import torch
 from torch import nn
 
-__all__ = ["BudgetedForward", "supported", "scoped_budget", "wrap_root", "unwrap_root"]
+from autosac.core.marks import APPLIED
+
+__all__ = ["BudgetedForward", "supported", "require", "wrap_root", "unwrap_root"]
 
 
 def supported() -> bool:
@@ -46,11 +51,22 @@ class BudgetedForward:
     def __init__(self, model: nn.Module, own, fraction: float) -> None:
         self.ref, self.own, self.fraction = weakref.ref(model), own, repr(float(fraction))
 
-    def __call__(self, *args, **kwargs):
+    def _original(self):
         model = self.ref()
-        original = self.own if self.own is not None else functools.partial(type(model).forward, model)
-        if not torch.compiler.is_compiling():
-            return original(*args, **kwargs)
+        if model is None:
+            raise RuntimeError("autosac: this forward's model was freed: call the model, not a forward kept from it")
+        return self.own if self.own is not None else functools.partial(type(model).forward, model)
+
+    @property
+    def __signature__(self):  # the model's own (transformers' Trainer reads it to pick dataset columns)
+        return inspect.signature(self._original())
+
+    def __call__(self, *args, **kwargs):
+        original = self._original()
+        state = self.ref().__dict__.get(APPLIED)
+        if not torch.compiler.is_compiling() or state is None or (
+                state["plan"].compiled.get("partitioner_budget") != float(self.fraction)):
+            return original(*args, **kwargs)  # eager, or unapplied since (a forward set after apply calls this)
         # as text: a float attribute would reach Dynamo as a symbolic input, the budget must be a constant
         with torch.autograd.graph.region_activation_memory_budget(float(self.fraction)):
             return original(*args, **kwargs)
@@ -63,23 +79,25 @@ class BudgetedForward:
         return BudgetedForward(memo.get(id(model), model), copy.deepcopy(self.own, memo), float(self.fraction))
 
 
-def scoped_budget(fraction: float):
-    """Before torch 2.13: the process-wide ``activation_memory_budget`` at
-    ``fraction``, as a context the applied model's hooks hold through each of
-    its calls (:mod:`autosac.applier.model`).  Under ``torch.compile`` those
-    hooks run outside Dynamo's graphs, so the model's forward is traced and
-    partitioned in a graph that starts after the entry hook set it: the
-    fraction reaches this model's graphs; the setting is back as it was when
-    the call returns or raises.  A compile on another thread meanwhile would
-    see it too (the price of torch without ``region_activation_memory_budget``)."""
-    import torch._functorch.config as functorch_config
-
-    return functorch_config.patch(activation_memory_budget=float(fraction))
+def require(fraction: float) -> None:
+    """Raises ValueError, naming the fix, where this torch cannot scope a
+    partitioner budget to one model (:func:`supported`)."""
+    if not supported():
+        raise ValueError(
+            f"this plan keeps its budget by torch.compile's partitioner at activation_memory_budget={fraction:g}, "
+            f"which torch {torch.__version__} cannot scope to one model: upgrade to torch >= 2.13, or re-plan "
+            "with this torch (its plans checkpoint modules instead)"
+        )
 
 
 def wrap_root(model: nn.Module, fraction: float) -> None:
     """Run ``model``'s forward under the partitioner budget ``fraction`` when
-    compiled (torch >= 2.13: :func:`supported`)."""
+    compiled.
+
+    Raises:
+        ValueError: this torch has no ``region_activation_memory_budget`` (before 2.13).
+    """
+    require(fraction)
     model.__dict__["forward"] = BudgetedForward(model, model.__dict__.get("forward"), fraction)
 
 

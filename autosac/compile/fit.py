@@ -22,11 +22,14 @@ Example::
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace as dc_replace
 
 import torch
 
 from autosac.applier import applied_plan, apply, unapply
+from autosac.applier.partitioner import require as require_partitioner
+from autosac.applier.partitioner import supported as partitioner_supported
 from autosac.compile.partitioner import search_fraction
 from autosac.compile.trace import CompiledPeak, compiled_peak
 from autosac.core.budget import format_bytes, is_least
@@ -63,7 +66,7 @@ def fit_for_compile(model, stats: ModelStats, budget, example_inputs, *, backend
     more in eager can keep more compiled), so once the least plan has been
     tried the widest untried range of eager budgets is probed -- and after a
     fit, raised again by bisection to recompute less; :data:`MAX_ROUNDS`
-    traced plans in all.  Under inductor the partitioner's own budget is
+    such plans at most.  Under inductor the partitioner's own budget is
     weighed first (:mod:`autosac.compile.partitioner`): the fraction whose
     compiled step fits, kept where its step runs no more matmul work than the
     checkpointing plan's (ties go to the partitioner, whose recomputation is
@@ -84,7 +87,8 @@ def fit_for_compile(model, stats: ModelStats, budget, example_inputs, *, backend
         backend: one of :data:`COMPILE_BACKENDS`.
         max_choices, solve_kwargs: passed to the solver (``solver``, ``time_limit_s``, ``presolve``).
         partitioner: weigh the partitioner's budget (None: under inductor, whose
-            partitioner takes one).
+            partitioner takes one, where this torch can scope it to the model:
+            :func:`autosac.applier.partitioner.supported`, torch >= 2.13).
 
     Returns:
         Plan with ``predicted_peak_bytes`` the compiled step's peak and
@@ -94,8 +98,8 @@ def fit_for_compile(model, stats: ModelStats, budget, example_inputs, *, backend
     Raises:
         InfeasibleBudgetError: no plan tried had a compiled step that fits;
             ``min_feasible_bytes`` is the least compiled peak seen.
-        ValueError: another backend, target, autocast or world size, or a model
-            that already has a plan applied.
+        ValueError: another backend, target, autocast or world size, a model
+            that already has a plan applied, or ``partitioner=True`` with torch < 2.13.
     """
     check_backend(backend)
     check_stats(stats)
@@ -116,7 +120,9 @@ def fit_for_compile(model, stats: ModelStats, budget, example_inputs, *, backend
     if plain.peak_bytes <= budget_bytes:  # the compiled step fits as it is
         return _finish(empty, plain, budget_bytes, backend, problem.baseline_peak, 1)
     if partitioner is None:
-        partitioner = backend == "inductor"
+        partitioner = backend == "inductor" and partitioner_supported()
+    elif partitioner:
+        require_partitioner(0.5)
     headroom = CUDA_PARTITIONER_HEADROOM if stats.target.get("device_type") == "cuda" else 0.0
     best, tried = (search_fraction(tracer.fraction, int(budget_bytes * (1 - headroom))) if partitioner
                    else (None, []))
@@ -130,8 +136,8 @@ def fit_for_compile(model, stats: ModelStats, budget, example_inputs, *, backend
     if best is not None and (not search.fits or best.peak.kernel_ms <= search.best_fit()[1].kernel_ms):
         plan = _partitioner_plan(empty, best.fraction, best.peak, plain)
         return _finish(plan, best.peak, budget_bytes, backend, problem.baseline_peak, rounds)
-    if not search.fits:
-        peaks = [plain.peak_bytes, *search.peaks, *(t.peak.peak_bytes for t in tried)]
+    if not search.fits:  # (a fraction fits a budget its peak is under by the headroom)
+        peaks = [plain.peak_bytes, *search.peaks, *(math.ceil(t.peak.peak_bytes / (1 - headroom)) for t in tried)]
         raise InfeasibleBudgetError(
             f"under torch.compile(backend={backend!r}) no plan found fits {format_bytes(budget_bytes)}: the least "
             f"compiled peak among the {len(peaks)} plans traced was {format_bytes(min(peaks))} -- raise the budget "
