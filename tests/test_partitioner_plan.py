@@ -40,7 +40,8 @@ def fitted():
     stats = autosac.profile(model, idx, optimizer="sgd", target=A100_CPU_KERNELS)
     if not supported():  # torch < 2.13 makes no such plans: one by hand, for the tests of refusing it
         return model, idx, replace(autosac.solve(stats, stats.peak_bytes), compiled={"partitioner_budget": 0.5})
-    plan = fit_for_compile(model, stats, "90%", idx, backend="inductor", optimizer="sgd", partitioner=True)
+    # between the unbudgeted compiled peak (67.3 MiB) and the partitioner's at 0.75 (63.1 MiB)
+    plan = fit_for_compile(model, stats, 65 << 20, idx, backend="inductor", optimizer="sgd")
     return model, idx, plan
 
 
@@ -173,14 +174,12 @@ def test_the_fraction_search_keeps_the_cheapest_fit_though_peaks_are_not_monoton
 
 
 @needs_region_api
-def test_where_the_partitioner_re_runs_no_matmul_no_checkpointing_plan_is_traced():
+def test_where_the_partitioner_re_runs_no_matmul_no_checkpointing_plan_is_traced(fitted):
     """Between the unbudgeted compiled peak (67.3 MiB) and the partitioner's at
     0.75 (63.1 MiB, the same matmuls) the partitioner's plan adds no matmul
     work: no checkpointing plan could run less, so none is traced -- the step
     without a plan and four fractions, five rounds -- and its predicted
     recompute is nothing."""
-    model, idx = _model()
-    stats = autosac.profile(model, idx, optimizer="sgd", target=A100_CPU_KERNELS)
-    plan = fit_for_compile(model, stats, 65 << 20, idx, backend="inductor", optimizer="sgd")
+    _, _, plan = fitted
     assert plan.compiled["partitioner_budget"] >= 0.75 and plan.compiled["rounds"] == 5
     assert plan.recompute_ms == 0 and plan.predicted_peak_bytes <= 65 << 20
