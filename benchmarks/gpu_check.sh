@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU measurement the project claims, on one H100 or H200, in two parts that each fit a 600 s call:
 #
-#   PART=compile: the host calibration, the partitioner's traced peaks against measured (limit 150 s; it
-#                 reproduces a wrong real step seen after a fake trace on an H100, session 5) and
+#   PART=compile: the host calibration, the partitioner's traced peaks against measured (limit 150 s; on an
+#                 H100 in session 5 its real step was wrong after the fake trace -- a stale Python-dispatcher
+#                 entry, fixed since on the CPU: it must now measure ~11 GiB, ~33 ms, no autograd warning) and
 #                 the compiled comparison (limit 420 s; on a fresh H100, 2026-11-26, torch 2.11, its autosac
 #                 row alone did not finish in 200 s, and took 142 s warm);
 #   PART=rest:    everything else (limits 430 s; 290 s on a fresh H100, 2026-11-26).

@@ -3,6 +3,8 @@ call; plans made under autocast keep training steps bitwise and the budget."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,7 @@ from autosac.models import build_model
 from autosac.trace.autocast import CudaAutocast
 
 BF16, F32 = torch.bfloat16, torch.float32
+aten = torch.ops.aten
 pytestmark = pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
 
 
@@ -219,3 +222,61 @@ def test_a_mixed_dtype_add_counts_its_float32_copy_on_the_cpu():
     stats = autosac.profile(model, inputs, target="cpu", autocast=torch.bfloat16, optimizer="none")
     measured = autosac.measure(model, inputs, steps=0, autocast=torch.bfloat16, optimizer="none").peak_bytes
     assert abs(measured - stats.peak_bytes) <= 64
+
+
+
+def _traced_like_torch_compile(dtype=None):
+    """linear, layer_norm and softmax forward and backward under CPU autocast
+    in ``dtype`` with the Python dispatcher on (as Dynamo and AOTAutograd
+    trace a step); returns the autograd fallback's warnings, the output's
+    dtype and the weight's gradient."""
+    from torch._dispatch.python import enable_python_dispatcher
+
+    torch.manual_seed(0)
+    w = torch.randn(16, 8, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught, enable_python_dispatcher():
+        warnings.simplefilter("always")
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            y = F.softmax(F.layer_norm(F.linear(torch.randn(4, 8), w), (16,)), -1)
+        (y.float() * torch.arange(16.0)).sum().backward()
+    return [str(c.message) for c in caught if "autograd kernel" in str(c.message)], y.dtype, w.grad
+
+
+def _stale_resolutions() -> list:
+    """The Python dispatcher's cached kernel choices that differ from a fresh one."""
+    stale = []
+    for op in list(torch._ops.get_cached_ops()):
+        for key, cached in list(op._dispatch_cache.items()):
+            if isinstance(cached, torch._C.DispatchKey):
+                op._uncache_dispatch(key)
+                if op._get_dispatch(key) != cached:
+                    stale.append((str(op), str(key), str(cached)))
+    return stale
+
+
+def test_asking_cuda_autocast_leaves_no_kernel_behind_in_the_python_dispatcher(monkeypatch):
+    """The trace registers kernels for a while: on AutocastCPU (CUDA's policy
+    on CPU tensors) and, to ask CUDA autocast about an op, on AutogradCUDA.
+    Traced for a compiled step, the Python dispatcher cached those keys as
+    the ops' own kernels; after the trace every real compiled CUDA step sent
+    linear, layer_norm, matmul and softmax to the autograd fallback (no
+    formula: a wrong step on an H100)."""
+    from torch._dispatch.python import enable_python_dispatcher
+
+    from autosac.trace import autocast
+
+    monkeypatch.setattr(autocast, "_POLICY", {})  # ask again, as a fresh process would
+    before = {d: _traced_like_torch_compile(d) for d in (None, BF16)}
+    with FakeTensorMode(), enable_python_dispatcher(), torch.no_grad():  # the dispatcher has its choices cached
+        F.softmax(F.layer_norm(F.linear(_t("cuda", 4, 8), _t("cuda", 16, 8)), (16,)), -1)
+    with FakeTensorMode(), enable_python_dispatcher(), CudaAutocast(BF16):
+        w = torch.empty(16, 8, requires_grad=True)
+        y = F.softmax(F.layer_norm(F.linear(torch.empty(4, 8), w), (16,)), -1)
+    asked = {key[1]: changes for key, (changes, _, _) in autocast._POLICY.items()}
+    assert sorted(asked[aten.linear.default]) == [(0, BF16), (1, BF16)]  # the probe reached CUDA autocast's call
+    assert asked[aten.layer_norm.default] == [(0, F32)] and y.dtype == F32
+    assert _stale_resolutions() == []
+    for dtype, (warned, out_dtype, grad) in before.items():
+        assert warned == [] and out_dtype == (dtype or F32)  # the premise
+        assert _traced_like_torch_compile(dtype)[:2] == (warned, out_dtype)
+        assert torch.equal(_traced_like_torch_compile(dtype)[2], grad)

@@ -79,14 +79,15 @@ class CudaAutocast:
         self.dtype = dtype
         self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._failed: set[str] = set()
-        self._lib = None
+        self._kernels = None
         self._autocast = None
 
     def __enter__(self):
         self._autocast = torch.autocast("cpu", dtype=self.dtype)
         self._autocast.__enter__()
         try:
-            self._lib = _override_cpu_autocast(self._run)
+            self._kernels = _override_cpu_autocast(self._run)
+            self._kernels.__enter__()
         except BaseException:
             self._autocast.__exit__(None, None, None)
             raise
@@ -94,9 +95,9 @@ class CudaAutocast:
 
     def __exit__(self, *exc):
         try:
-            self._lib._destroy()  # the CPU's own autocast kernels are back
+            self._kernels.__exit__(None, None, None)  # the CPU's own autocast kernels are back
         finally:
-            self._lib = None
+            self._kernels = None
             self._cache.clear()
             self._autocast.__exit__(*exc)
         return False
@@ -182,11 +183,7 @@ def _cuda_autocast_changes(op, leaves: list, spec, dtype: torch.dtype):
         got.append((args, kwargs))
         raise _Caught
 
-    lib = torch.library.Library("aten", "IMPL")
-    try:
-        with warnings.catch_warnings():  # "overriding a previously registered kernel": for this probe only
-            warnings.simplefilter("ignore")
-            lib.impl(op.name().removeprefix("aten::"), catch, "AutogradCUDA")
+    with _temporary_kernels("AutogradCUDA", {op: catch}):
         with _disable_current_modes(), _cuda_autocast(dtype):
             mode = FakeTensorMode()
             with mode:
@@ -199,8 +196,6 @@ def _cuda_autocast_changes(op, leaves: list, spec, dtype: torch.dtype):
                 pass
             if not got:
                 return [], {}  # never reached the op (a fast path before it): nothing autocast did
-    finally:
-        lib._destroy()
     (cargs, ckwargs), (gargs, gkwargs) = tree_unflatten(twins, spec), got[0]
     # arguments autocast set that the caller left to their defaults (``dtype``); the
     # dispatcher may leave out trailing defaults either way
@@ -277,23 +272,53 @@ def _op_overload(name: str):
     return getattr(getattr(aten, base), overload or "default")
 
 
-def _override_cpu_autocast(run) -> torch.library.Library:
-    """Register ``run(op, *args, **kwargs)`` as the CPU autocast kernel of
-    every op CUDA autocasts, and a fall-through for those only the CPU
-    autocasts; destroying the returned library restores torch's kernels."""
+def _override_cpu_autocast(run):
+    """A context in which ``run(op, *args, **kwargs)`` is the CPU autocast
+    kernel of every op CUDA autocasts, and a fall-through for those only the
+    CPU autocasts; on exit torch's kernels are back."""
     cuda, cpu_only = _autocast_ops()
+    kernels = {}
+    for name in cuda:
+        try:
+            op = _op_overload(name)
+        except AttributeError:
+            continue
+        kernels[op] = _kernel(run, op)
+    for name in cpu_only:
+        try:
+            kernels[_op_overload(name)] = torch.library.fallthrough_kernel
+        except AttributeError:
+            continue
+    return _temporary_kernels("AutocastCPU", kernels)
+
+
+@contextmanager
+def _temporary_kernels(key: str, kernels: dict):
+    """Register ``kernels`` (op overload -> kernel) on dispatch ``key`` for
+    the block only.
+
+    The Python dispatcher (on while Dynamo and AOTAutograd trace) caches per
+    op which kernel a key resolves to, and destroying a library does not
+    clear what it cached for an op it only implemented: an op probed while
+    tracing a compiled step kept "AutogradCUDA has its own kernel" after the
+    probe's kernel was gone, and every later compile of a real CUDA step
+    sent that op to the autograd fallback -- no autograd formula, wrong
+    gradients.  So that entry is dropped on registering (the block sees its
+    kernel) and again on exit (later code resolves afresh).
+    """
+    dispatch_key = getattr(torch._C.DispatchKey, key)
     lib = torch.library.Library("aten", "IMPL")
-    with warnings.catch_warnings():  # "overriding a previously registered kernel": on purpose, undone on exit
-        warnings.simplefilter("ignore")
-        for name in cuda:
-            try:
-                op = _op_overload(name)
-            except AttributeError:
-                continue
-            lib.impl(name.removeprefix("aten::"), _kernel(run, op), "AutocastCPU")
-        for name in cpu_only:
-            lib.impl(name.removeprefix("aten::"), torch.library.fallthrough_kernel, "AutocastCPU")
-    return lib
+    try:
+        with warnings.catch_warnings():  # "overriding a previously registered kernel": on purpose, undone on exit
+            warnings.simplefilter("ignore")
+            for op, kernel in kernels.items():
+                lib.impl(op.name().removeprefix("aten::"), kernel, key)
+                op._uncache_dispatch(dispatch_key)
+        yield
+    finally:
+        lib._destroy()
+        for op in kernels:
+            op._uncache_dispatch(dispatch_key)
 
 
 def _kernel(run, op):
