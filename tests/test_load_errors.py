@@ -103,6 +103,19 @@ def test_malformed_plan_fails_at_load_naming_the_field(plan, tmp_path, edit, mat
     _assert_one_line_error(lambda: Plan.from_json(path.read_text()), match)
 
 
+def test_plans_of_the_last_format_load_and_other_formats_are_refused(plan):
+    """Format 6 added the partitioner's budget: an autosac reading only 5
+    refuses a plan written now (it would have ignored the budget and applied
+    nothing), and a format-5 plan, which means the same today, still loads."""
+    data = json.loads(plan.to_json())
+    assert data["format"] == 6
+    old = Plan.from_json(json.dumps({**data, "format": 5}))
+    assert old.decisions == plan.decisions and old.format == 6  # written again as this version's plan
+    for found in (4, 7, True, "6", None):
+        _assert_one_line_error(lambda: Plan.from_json(json.dumps({**data, "format": found})),
+                               f"plan format {found!r} is not 6: re-plan with this autosac version")
+
+
 def test_deeply_nested_plan_and_stats_are_one_clear_error(tmp_path):
     deep = "[" * 100_000 + "]" * 100_000
     path = tmp_path / "plan.json"

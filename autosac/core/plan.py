@@ -12,7 +12,8 @@ from autosac.core.errors import StatsFormatError
 from autosac.core.loop import Loop
 from autosac.core.schema import build, check, check_common, parse, short
 
-PLAN_FORMAT = 5
+PLAN_FORMAT = 6  # 6: compiled["partitioner_budget"], which an autosac reading format 5 would ignore
+READABLE_PLAN_FORMATS = (5, 6)  # a format-5 plan means the same today
 
 
 @dataclass
@@ -144,9 +145,10 @@ class Plan:
                 or not finite, or inconsistent (one line naming it; see :meth:`validate`).
         """
         data = parse(text, "a plan")
-        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
-            found = data.get("format") if isinstance(data, dict) else None
+        found = data.get("format") if isinstance(data, dict) else None
+        if isinstance(found, bool) or found not in READABLE_PLAN_FORMATS:
             raise StatsFormatError(f"plan format {found!r} is not {PLAN_FORMAT}: re-plan with this autosac version")
+        data = {**data, "format": PLAN_FORMAT}
         names = {f.name for f in fields(cls)}
         try:
             plan = build(cls, {k: v for k, v in data.items() if k in names}, "", strict=False)
