@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import time
 import warnings
 from typing import NamedTuple
@@ -119,13 +120,15 @@ def calibrate(force: bool = False) -> HostCosts:
     per-saved-tensor one), checkpointed whole; each model also with each
     region's forward run twice (what a checkpoint re-runs, without its
     machinery); and the shallow model again at width 256 (4x128, two regions),
-    for the per-MiB figures (:mod:`autosac.core.hostsize`).  The least CPU times of
-    interleaved rounds; 15-30 s on this 2-core machine.
+    for the per-MiB figures (:mod:`autosac.core.hostsize`).  Rounds of one
+    CPU-time sample of each variant in turn; each round's figures from its
+    own samples, then each figure's median over the rounds (:func:`_estimate`);
+    15-25 s on this 2-core machine.
 
     On a busy machine (:mod:`autosac.core.noise`): while the figures of the even
     and the odd rounds differ by more than 10 %, or the measuring thread had
-    less than 90 % of a core, the rounds are doubled, up to 16 rounds or about
-    20 s.  Figures that never settled, or were measured with several torch
+    less than 90 % of a core, the rounds are doubled, from 12 up to 48 rounds
+    or about 20 s.  Figures that never settled, or were measured with several torch
     threads while other processes kept the cores they needed busy, are noisy:
     where this machine's figures were measured clean before, those are kept;
     else the noisy ones are used, with one logged warning, and kept on disk
@@ -226,23 +229,12 @@ def remeasure(ops: bool = True) -> HostCosts:
     return calibrate(force=True)
 
 
-def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, rounds: int = 4,
-             max_rounds: int = 16, deadline_s: float = 20.0) -> Measured:
+def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, rounds: int = 12,
+             max_rounds: int = 48, deadline_s: float = 20.0) -> Measured:
     """This machine's figures (see :func:`calibrate`), measured until two
     halves of the rounds agree (:func:`autosac.core.noise.steady`), bounded."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        x = torch.randn(batch, seq, width)
-        models = {
-            "shallow": _calibration_models(lambda: _Block(width, 1), regions, x, selective=True, casts=True),
-            "deep": _calibration_models(lambda: _Block(width, 3), regions, x),
-            "tiny": _calibration_models(lambda: _tiny(width), 4 * regions, x),
-        }
-        models["large"], x_large = _large_models()
-    # rounds interleaved across the models: drift hits them alike
-    variants = {(size, k): m for size, setup in models.items() for k, m in setup["variants"].items()}
-    inputs = {key: x_large if key[0] == "large" else x for key in variants}
-    _take_round(variants, inputs, repeats=1)  # warm-up
+    models, variants, inputs = _benchmark(regions, width, batch, seq)
+    _take_round(variants, inputs)  # warm-up
     others = others_meter()
     got = steady(lambda: _take_round(variants, inputs), lambda taken: _estimate(models, taken), _scale, rounds=rounds,
                  max_rounds=max_rounds, deadline_s=deadline_s)
@@ -258,6 +250,24 @@ def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, r
     if figures.get("large_op_bytes"):
         figures["cold_read_us_per_mib"] = _cold_read_us_per_mib(figures["small_op_bytes"], figures["large_op_bytes"])
     return Measured(HostCosts(**figures), tuple(reasons), got.rounds)
+
+
+def _benchmark(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32) -> tuple[dict, dict, dict]:
+    """The micro-benchmark (see :func:`calibrate`): its models by size, every
+    variant to time keyed (size, variant), and each variant's input."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        x = torch.randn(batch, seq, width)
+        models = {
+            "shallow": _calibration_models(lambda: _Block(width, 1), regions, x, selective=True, casts=True),
+            "deep": _calibration_models(lambda: _Block(width, 3), regions, x),
+            "tiny": _calibration_models(lambda: _tiny(width), 4 * regions, x),
+        }
+        models["large"], x_large = _large_models()
+    # rounds interleaved across the models: drift hits them alike
+    variants = {(size, k): m for size, setup in models.items() for k, m in setup["variants"].items()}
+    inputs = {key: x_large if key[0] == "large" else x for key in variants}
+    return models, variants, inputs
 
 
 def _cold_read_us_per_mib(small: float, large: float, tensors: int = 16, numel: int = 128 << 10,
@@ -310,9 +320,24 @@ def _cold_read_us_per_mib(small: float, large: float, tensors: int = 16, numel: 
 
 
 def _estimate(models: dict, taken: list[dict]) -> dict[str, float]:
-    """The figures from the least sample of each variant over the rounds ``taken``."""
-    least = {k: min(s[1] for r in taken for s in r[k]) for k in taken[0]}
-    least_fw = {k: min(s[0] for r in taken for s in r[k]) for k in taken[0]}
+    """The figures over the rounds ``taken``: each round's figures from the
+    least sample of each variant in it (:func:`_round_figures`), then each
+    figure's median over the rounds.  On this 2-core VM a step's time
+    drifts by 20-40 % over seconds, alike for the variants run next to each
+    other (lag-one correlation 0.55, between two variants 0.73): the least
+    time of each variant over all rounds came from different moments, and
+    figures made of their differences moved by up to 2x between
+    calibrations; a difference within one round, then the median, moved by
+    about 5 %.  A median is also what a step costs as measured (medians of
+    steps), where the least is one lucky moment."""
+    per_round = [_round_figures(models, samples) for samples in taken]
+    return {k: round(statistics.median(f[k] for f in per_round), 3) for k in per_round[0]}
+
+
+def _round_figures(models: dict, samples: dict) -> dict[str, float]:
+    """One round's figures from the least sample of each of its variants."""
+    least = {k: min(s[1] for s in v) for k, v in samples.items()}
+    least_fw = {k: min(s[0] for s in v) for k, v in samples.items()}
     got = {size: _figures(setup, {k: t for (s, k), t in least.items() if s == size},
                           {k: t for (s, k), t in least_fw.items() if s == size})
            for size, setup in models.items()}
@@ -384,11 +409,13 @@ def _figures(setup: dict, times: dict[str, float], forwards: dict[str, float]) -
     return out
 
 
-def _take_round(variants: dict, x: torch.Tensor, repeats: int = 3) -> dict:
-    """One round: ``repeats`` (forward ms, forward-and-backward ms) samples
-    per variant (on ``x``, or ``x[name]`` where it is a dict), in CPU time of this thread (the calibration's ops are too
-    small to run on other threads, and another process's time slices are
-    not counted), and the share of a core the thread had meanwhile."""
+def _take_round(variants: dict, x: torch.Tensor, repeats: int = 1) -> dict:
+    """One round: ``repeats`` passes over the variants, one (forward ms,
+    forward-and-backward ms) sample of each per pass (on ``x``, or
+    ``x[name]`` where it is a dict) -- variants a figure compares run moments
+    apart -- in CPU time of this thread (the calibration's ops are too small
+    to run on other threads, and another process's time slices are not
+    counted), and the share of a core the thread had meanwhile."""
     tick = time.thread_time
     share = share_meter()
 
@@ -400,8 +427,10 @@ def _take_round(variants: dict, x: torch.Tensor, repeats: int = 3) -> dict:
         m.zero_grad(set_to_none=True)
         return (t1 - t0) * 1e3, (tick() - t0) * 1e3
 
-    samples = {name: [step(m, x[name] if isinstance(x, dict) else x) for _ in range(repeats)]
-               for name, m in variants.items()}
+    samples = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, m in variants.items():
+            samples[name].append(step(m, x[name] if isinstance(x, dict) else x))
     return samples, share()
 
 
