@@ -1,4 +1,4 @@
-"""Where a predicted overhead goes wrong: the parts of the least plan's step,
+"""Where a predicted overhead goes wrong: the parts of the least (or mid) plan's step,
 predicted beside measured, on this CPU (issue 32).
 
 For each model (``benchmarks/predict_suite.py``'s names), the least plan is
@@ -25,12 +25,14 @@ and in the backward in ``plan``: the split between re-run and machinery is
 only as good as that stand-in; their sum is measured as it is.
 
     python benchmarks/bench_overhead_parts.py --models zoo-gemma2,zoo-t5,hf-llama
+    python benchmarks/bench_overhead_parts.py --models hf-opt,mlp --budget mid --regime dispatch
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 import time
 import warnings
@@ -64,24 +66,26 @@ def twice(model, fqns):
     return out
 
 
-def parts(name: str, rounds: int, steps: int) -> dict:
+def parts(name: str, rounds: int, steps: int, budget: str = "least", regime: str | None = None) -> dict:
     build, regimes = ps.MODELS[name]
-    regime = regimes[0]
+    regime = regime or regimes[0]
     torch.manual_seed(0)
     model, inputs, loss_fn = build(ps._sizes(regime))
     loss_fn = loss_fn or (lambda out: out)
     stats = autosac.profile(model, inputs, target="cpu", optimizer="adamw", loss_fn=loss_fn)
     plan = autosac.solve(stats, "least")
+    if budget == "mid":  # halfway between the least and the unmodified peak, as predict_suite's mid
+        plan = autosac.solve(stats, (plan.predicted_peak_bytes + plan.baseline_peak_bytes) // 2)
     base = ps.without_cache(model, inputs)
     variants = {"given": model, "base": base if base is not None else model}
     variants["twice"] = twice(variants["base"], list(plan.decisions))
     variants["plan"] = autosac.apply(copy.deepcopy(model), plan)
     if base is None:
         variants.pop("given")
-    cpu, _ = ps._timed(variants, inputs, loss_fn, rounds, steps)
+    cpu, _, _ = ps._timed(variants, inputs, loss_fn, rounds, steps)
     rerun = plan.recompute_ms - plan.mechanism_ms
     return {
-        "model": f"{name} ({regime}, {len(plan.decisions)} regions)",
+        "model": f"{name} ({regime}, {budget}, {len(plan.decisions)} regions)",
         "step": (plan.baseline_step_ms, cpu["base"]),
         "cache": (None, cpu["given"] - cpu["base"]) if "given" in cpu else None,  # None: it fills no cache
         "rerun": (rerun, cpu["twice"] - cpu["base"]),
@@ -103,14 +107,18 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="zoo-t5,zoo-whisper,zoo-gemma2,zoo-clip,hf-llama,hf-gpt2",
                     help="comma-separated predict_suite names (their first regime)")
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--budget", choices=("least", "mid"), default="least")
+    ap.add_argument("--regime", choices=("dispatch", "compute"), help="default: each model's first")
     a = ap.parse_args(argv)
+    if any(os.environ.get(k) != v for k, v in ps.GLIBC_KEEPS.items()):  # measured as predict_suite measures
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ps.GLIBC_KEEPS})
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     started = time.perf_counter()
     print("| model | unmodified step | cache | re-run | machinery | increment | overhead |")
     print("|---|---|---|---|---|---|---|")
     for name in a.models.split(","):
-        r = parts(name, a.rounds, 5)
+        r = parts(name, a.rounds, 5, a.budget, a.regime)
         print(f"| {r['model']} | {_cell(r['step'])} | {_cell(r['cache'])} | {_cell(r['rerun'])} "
               f"| {_cell(r['machinery'])} | {_cell(r['increment'])} | {_cell(r['overhead'], pct=True)} |", flush=True)
     print(f"\n(predicted / measured, ms of this thread's CPU time; {a.rounds} rounds, "

@@ -14,8 +14,8 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-CACHE_KEY = "host-costs-v14"  # bump when the micro-benchmark changes (v12: a large size too, autosac.core.hostsize;
-# v13: cold_read_us_per_mib, autosac.core.coldread; v14: cast_hook_us)
+CACHE_KEY = "host-costs-v15"  # bump when the micro-benchmark changes (v12: a large size too, autosac.core.hostsize;
+# v13: cold_read_us_per_mib, autosac.core.coldread; v14: cast_hook_us; v15: figures as medians of per-round figures)
 _FIELDS = ("op_us", "checkpoint_call_us", "saved_tensor_us", "selective_op_us", "untimed_op_us", "backward_op_us",
            "backward_untimed_us", "small_op_bytes", "large_op_bytes", "untimed_us_per_mib", "backward_untimed_us_per_mib",
            "selective_us_per_mib", "cold_read_us_per_mib", "cast_hook_us", "cast_remake_us")
