@@ -77,6 +77,9 @@ def _stderr_after_ctrl_c(code: str, what: str, wait_s: float) -> str:
     """Run ``code`` in a child process that prints "started" when it begins
     its work, send it SIGINT ``wait_s`` seconds later, and return its stderr;
     a child still running 30 s after the signal fails the test (and is killed)."""
+    # Ctrl-C as in a terminal: a child inherits an ignored SIGINT (some library in the test process may
+    # have set it so: in one CI run both Ctrl-C tests waited out their 30 s), and Python then keeps it ignored
+    code = "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n" + code
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "started"
