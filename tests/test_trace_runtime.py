@@ -105,7 +105,15 @@ def test_cpu_target_gives_the_same_plan_in_every_process(tmp_path):
         "p = autosac.solve(s, '70%')\n"
         "print(repr((s.step_ms, sorted(p.decisions.items()), p.recompute_ms)))\n"
     )
-    env = {**__import__("os").environ, "AUTOSAC_CACHE_DIR": str(tmp_path)}
+    import os
+    import shutil
+    from pathlib import Path
+
+    # this machine's host figures as the suite measured them, if it has (a calibration is 20 s); the
+    # op timings of this model the first process makes and the second reads
+    for found in Path(os.environ["AUTOSAC_CACHE_DIR"]).glob("cpu-timings-*.json"):
+        shutil.copy(found, tmp_path / found.name)
+    env = {**os.environ, "AUTOSAC_CACHE_DIR": str(tmp_path)}
     runs = [
         subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
         for _ in range(2)
