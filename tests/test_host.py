@@ -41,7 +41,7 @@ def test_host_costs_are_checked_and_travel_with_the_target():
                                     "backward_untimed_us": None, "small_op_bytes": 0.0, "large_op_bytes": 0.0,
                                     "untimed_us_per_mib": 0.0, "backward_untimed_us_per_mib": 0.0,
                                     "selective_us_per_mib": 0.0, "cold_read_us_per_mib": 0.0, "cast_hook_us": 0.0,
-                                    "cast_remake_us": 0.0}
+                                    "cast_remake_us": 0.0, "first_call_us": 0.0}
     assert autosac.ModelStats.from_json(stats.to_json()).target == stats.target
 
 
@@ -150,3 +150,29 @@ def test_profiling_on_this_cpu_leaves_the_seeded_generator_as_it_was(tmp_path, m
     state = torch.get_rng_state()
     autosac.profile(model, idx, target="cpu")
     assert torch.equal(state, torch.get_rng_state())
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_the_first_checkpointed_call_of_a_step_is_priced_once(device_type):
+    """A step with checkpointed calls pays ``first_call_us`` once (one call
+    alone costs more than each of several), at any number of regions; a plan
+    that checkpoints nothing does not; on a GPU that host work hides under
+    kernels."""
+    model, idx = gpt(GPT, device="meta", batch=4)
+    base = replace(A100_CPU_KERNELS, device_type=device_type)
+    costs = HostCosts(op_us=5.0, checkpoint_call_us=100.0, saved_tensor_us=3.0)
+    plans = {}
+    for first in (0.0, 700.0):
+        stats = autosac.profile(model, idx, target=replace(base, host=replace(costs, first_call_us=first)))
+        least = autosac.solve(stats, "least")
+        mid = (least.predicted_peak_bytes + stats.peak_bytes) // 2
+        plans[first] = [autosac.solve(stats, b) for b in (stats.peak_bytes, mid, "least")]
+    extra = 0.7 if device_type == "cpu" else 0.0
+    for without, with_first in zip(plans[0.0], plans[700.0]):
+        assert with_first.decisions == without.decisions  # the same for every plan that checkpoints: orders none
+        expected = extra if without.decisions else 0.0
+        assert with_first.recompute_ms == pytest.approx(without.recompute_ms + expected, abs=1e-9)
+        assert with_first.mechanism_ms == pytest.approx(without.mechanism_ms + expected, abs=1e-9)
+        calls = sum(d.mechanism_ms for d in with_first.details.values())
+        assert with_first.mechanism_ms == pytest.approx(calls + expected, abs=1e-9)
+    assert not plans[0.0][0].decisions and len(plans[0.0][2].decisions) > 1  # none, and several regions

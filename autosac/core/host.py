@@ -14,11 +14,12 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-CACHE_KEY = "host-costs-v15"  # bump when the micro-benchmark changes (v12: a large size too, autosac.core.hostsize;
-# v13: cold_read_us_per_mib, autosac.core.coldread; v14: cast_hook_us; v15: figures as medians of per-round figures)
+CACHE_KEY = "host-costs-v16"  # bump when the micro-benchmark changes (v12: a large size too, autosac.core.hostsize;
+# v13: cold_read_us_per_mib, autosac.core.coldread; v14: cast_hook_us; v15: figures as medians of per-round figures;
+# v16: first_call_us)
 _FIELDS = ("op_us", "checkpoint_call_us", "saved_tensor_us", "selective_op_us", "untimed_op_us", "backward_op_us",
            "backward_untimed_us", "small_op_bytes", "large_op_bytes", "untimed_us_per_mib", "backward_untimed_us_per_mib",
-           "selective_us_per_mib", "cold_read_us_per_mib", "cast_hook_us", "cast_remake_us")
+           "selective_us_per_mib", "cold_read_us_per_mib", "cast_hook_us", "cast_remake_us", "first_call_us")
 _SIGNED = ("backward_untimed_us",)
 _PER_OP = ("op_us", "selective_op_us", "untimed_op_us", "backward_op_us", "backward_untimed_us", "cast_hook_us",
            "cast_remake_us")
@@ -58,6 +59,9 @@ class HostCosts:
     cast_hook_us: float = 0.0
     # each parameter cast that hook packs as its parameter and makes again in the backward, beyond that
     cast_remake_us: float = 0.0
+    # once per step with checkpointed calls, beyond their per-call cost: one call alone costs more than
+    # each of several (the machinery's code and data cold); eager, a CPU target's (autosac.tools.calibrate)
+    first_call_us: float = 0.0
 
     def size_us(self, nbytes: float, us_per_mib: float) -> float:
         """What an op making ``nbytes`` adds to a per-op figure (:func:`autosac.core.hostsize.extra_us`)."""

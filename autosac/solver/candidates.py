@@ -327,6 +327,11 @@ class Reading:
         return cls(stats=stats, max_choices=max_choices, keep_random=keep_random, host=host, overlap=overlap,
                    events=[op.event for op in stats.saved_ops], replay_casts=_ReplayCasts(stats), cast_hooks=casts)
 
+    def first_call_ms(self) -> float:
+        """What a step's checkpointed calls add once (``HostCosts.first_call_us``):
+        eager on a CPU target; on a GPU that host work hides under kernels."""
+        return 0.0 if self.overlap or self.keep_random else self.host.first_call_us / 1e3
+
     def cast_hook_ms(self, saved: int, casts: int = 0) -> float:
         """What the parameter-cast hook costs ``saved`` saved tensors, ``casts``
         of them parameter casts it makes again in the backward (0 without it)."""

@@ -54,6 +54,7 @@ class Problem:
     baseline_peak: int  # the unconstrained peak: sharded over world_size, parameter casts saved
     linked: list[list[int]] = field(default_factory=list)  # candidates (calls of one module) that choose alike
     shared: list[SharedHold] = field(default_factory=list)
+    first_call_ms: float = 0.0  # once per step, for a plan that checkpoints any call (HostCosts.first_call_us)
 
     def group_of(self, i: int) -> list[int]:
         """Candidate ``i`` and the other calls of its module."""
@@ -94,11 +95,16 @@ class Problem:
 
     def recompute_ms(self, choice: dict[int, int]) -> float:
         """Time a plan adds to the step: recomputation and checkpointing machinery."""
-        return self.always_ms + sum(self.candidates[i].ms[k - 1] for i, k in choice.items())
+        return self.always_ms + self._first_ms(choice) + sum(self.candidates[i].ms[k - 1] for i, k in choice.items())
 
     def mechanism_ms(self, choice: dict[int, int]) -> float:
         """The part of :meth:`recompute_ms` the checkpointing machinery costs."""
-        return sum(self.candidates[i].mechanism[k - 1] for i, k in choice.items())
+        return self._first_ms(choice) + sum(self.candidates[i].mechanism[k - 1] for i, k in choice.items())
+
+    def _first_ms(self, choice: dict[int, int]) -> float:
+        """The step's first checkpointed call's extra, once: the same for every
+        plan that checkpoints anything, so it orders no two such plans."""
+        return self.first_call_ms if choice else 0.0
 
 
 def _adjusted_live(stats: ModelStats, drop_casts: bool = True) -> np.ndarray:
@@ -216,4 +222,4 @@ def build_problem(stats: ModelStats, max_choices: int = 16, keep_random: bool = 
     position = {id(c): i for i, c in enumerate(candidates)}
     groups = [sorted(position[id(c)] for c in g) for g in linked]
     return Problem(live=live, made=made, candidates=candidates, always_ms=always, baseline_peak=baseline, linked=groups,
-                   shared=shared)
+                   shared=shared, first_call_ms=reading.first_call_ms())

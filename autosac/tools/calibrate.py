@@ -45,6 +45,9 @@ own, whatever the kernels cost:
 * ``cast_remake_us``: each parameter cast that hook packs as its parameter
   and makes again in the backward, beyond a tensor's ``cast_hook_us`` and
   the cast op itself, which plans price as an op (measured under CPU autocast).
+* ``first_call_us``: once per step that checkpoints anything, beyond the
+  calls' own figures: one region alone costs more than each of several
+  (:func:`_first_call_us`); eager, a CPU target's.
 
 :func:`calibrate` measures them on this machine with a micro-benchmark
 (small transformer blocks run plain, with each forward run twice,
@@ -94,7 +97,7 @@ from autosac.core.noise import (
     share_meter,
     steady,
 )
-from autosac.tools.calibration_models import _Block, _calibration_models, _large_models, _tiny
+from autosac.tools.calibration_models import _Block, _calibration_models, _large_models, _Layer, _tiny, _Twice
 
 _CALIBRATED: HostCosts | None = None
 
@@ -247,6 +250,7 @@ def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, r
     if contended(threads, busy):
         reasons.append(f"other processes kept {busy:.1f} of {os.cpu_count()} cores busy beside {threads} torch threads")
     figures = dict(got.figures)
+    figures["first_call_us"] = _first_call_us(width, batch, seq)
     if figures.get("large_op_bytes"):
         figures["cold_read_us_per_mib"] = _cold_read_us_per_mib(figures["small_op_bytes"], figures["large_op_bytes"])
     return Measured(HostCosts(**figures), tuple(reasons), got.rounds)
@@ -268,6 +272,62 @@ def _benchmark(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32)
     variants = {(size, k): m for size, setup in models.items() for k, m in setup["variants"].items()}
     inputs = {key: x_large if key[0] == "large" else x for key in variants}
     return models, variants, inputs
+
+
+def _first_call_us(width: int, batch: int, seq: int, regions: int = 6, rounds: int = 30) -> float:
+    """``first_call_us``: in a training loop (AdamW) of ``regions`` small
+    transformer blocks, each followed by a plain layer, what one block
+    checkpointed alone costs beyond a call of all of them checkpointed,
+    each set against its forward run twice, medians of ``rounds`` rounds.
+    A step's first checkpointed call runs the machinery's code and data
+    cold; later ones find it warm.  Measured here: 430-810 us (a call of
+    six: 1.2-1.5 ms); in real models' mid plans the machinery of their one
+    to three regions was priced 0.4-0.75 ms short (``bench_overhead_parts.py``).
+    """
+    import copy
+    from dataclasses import replace
+
+    import autosac.applier
+    import autosac.trace
+    from autosac.core.devices import DEVICES
+    from autosac.core.optim import make_optimizer
+    from autosac.solver import plan_from_decisions
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        x = torch.randn(batch, seq, width)
+        model = nn.Sequential(*[m for _ in range(regions) for m in (_Block(width, 1), _Layer(width))])
+    names = [str(i) for i in range(0, 2 * regions, 2)]
+    alone = names[len(names) // 2]
+    spec = replace(DEVICES["cpu"], host=HostCosts())  # zero host costs: no calibration inside the calibration
+    stats = autosac.trace.profile(model, x, target=spec, optimizer="none", output_held=False)
+
+    def twice(which):
+        return nn.Sequential(*[_Twice(m) if str(i) in which else m for i, m in enumerate(copy.deepcopy(model))])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        variants = {"all": autosac.applier.apply(copy.deepcopy(model), plan_from_decisions(stats, dict.fromkeys(names, 1.0))),
+                    "twice_all": twice(names),
+                    "one": autosac.applier.apply(copy.deepcopy(model), plan_from_decisions(stats, {alone: 1.0})),
+                    "twice_one": twice([alone])}
+    opts = {k: make_optimizer("adamw", list(m.parameters())) for k, m in variants.items()}
+
+    def step(k: str) -> float:
+        t = time.thread_time()
+        variants[k](x).sum().backward()
+        opts[k].step()
+        opts[k].zero_grad(set_to_none=True)
+        return (time.thread_time() - t) * 1e6
+
+    for k in variants:
+        step(k)
+    each, one = [], []
+    for _ in range(rounds):
+        t = {k: step(k) for k in variants}
+        each.append((t["all"] - t["twice_all"]) / regions)
+        one.append(t["one"] - t["twice_one"])
+    extra = (statistics.median(one) - statistics.median(each)) * regions / (regions - 1)
+    return round(max(0.0, extra), 2)
 
 
 def _cold_read_us_per_mib(small: float, large: float, tensors: int = 16, numel: int = 128 << 10,
