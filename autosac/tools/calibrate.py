@@ -126,7 +126,7 @@ def calibrate(force: bool = False) -> HostCosts:
     for the per-MiB figures (:mod:`autosac.core.hostsize`).  Rounds of one
     CPU-time sample of each variant in turn; each round's figures from its
     own samples, then each figure's median over the rounds (:func:`_estimate`);
-    15-25 s on this 2-core machine.
+    20-30 s on this 2-core machine.
 
     On a busy machine (:mod:`autosac.core.noise`): while the figures of the even
     and the odd rounds differ by more than 10 %, or the measuring thread had
