@@ -111,7 +111,7 @@ def test_plans_of_the_last_format_load_and_other_formats_are_refused(plan):
     assert data["format"] == 6
     old = Plan.from_json(json.dumps({**data, "format": 5}))
     assert old.decisions == plan.decisions and old.format == 6  # written again as this version's plan
-    for found in (4, 7, True, "6", None):
+    for found in (4, 7, True, "6", None, 5.0):
         _assert_one_line_error(lambda f=found: Plan.from_json(json.dumps({**data, "format": f})),
                                f"plan format {found!r} is not 6: re-plan with this autosac version")
 

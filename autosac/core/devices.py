@@ -73,7 +73,7 @@ class DeviceSpec:
         if "capability" in data:
             data["capability"] = tuple(data["capability"])
         if isinstance(data.get("host"), dict):
-            data["host"] = HostCosts(**data["host"])
+            data["host"] = HostCosts.from_dict(data["host"])
         return cls(**data)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 CACHE_KEY = "host-costs-v16"  # bump when the micro-benchmark changes (v12: a large size too, autosac.core.hostsize;
 # v13: cold_read_us_per_mib, autosac.core.coldread; v14: cast_hook_us; v15: figures as medians of per-round figures;
@@ -110,6 +110,13 @@ class HostCosts:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: dict) -> HostCosts:
+        """The figures in ``data`` (a stats file's ``target["host"]``); figures a
+        newer autosac added are left out (priced as this version prices)."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
 
 def host_costs(given: HostCosts | dict | None) -> HostCosts:
     """``given`` as :class:`HostCosts`, or this machine's (the registered calibration) when None."""
@@ -118,7 +125,7 @@ def host_costs(given: HostCosts | dict | None) -> HostCosts:
             raise RuntimeError("autosac: no host calibration registered: import autosac (autosac.tools.calibrate "
                                "registers it), or state the figures with DeviceSpec(host=HostCosts(...))")
         return _calibrate()
-    return given if isinstance(given, HostCosts) else HostCosts(**given)
+    return given if isinstance(given, HostCosts) else HostCosts.from_dict(given)
 
 
 _calibrate: Callable[[], HostCosts] | None = None

@@ -146,7 +146,7 @@ class Plan:
         """
         data = parse(text, "a plan")
         found = data.get("format") if isinstance(data, dict) else None
-        if isinstance(found, bool) or found not in READABLE_PLAN_FORMATS:
+        if type(found) is not int or found not in READABLE_PLAN_FORMATS:
             raise StatsFormatError(f"plan format {found!r} is not {PLAN_FORMAT}: re-plan with this autosac version")
         data = {**data, "format": PLAN_FORMAT}
         names = {f.name for f in fields(cls)}

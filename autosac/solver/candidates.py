@@ -321,7 +321,7 @@ class Reading:
 
     @classmethod
     def of(cls, stats: ModelStats, max_choices: int = 16, keep_random: bool = False) -> Reading:
-        host = HostCosts(**stats.target["host"]) if stats.target.get("host") and not keep_random else HostCosts()
+        host = HostCosts.from_dict(stats.target["host"]) if stats.target.get("host") and not keep_random else HostCosts()
         overlap = stats.target.get("device_type") == "cuda"
         casts = not overlap and any(op.param_cast for op in stats.saved_ops)
         return cls(stats=stats, max_choices=max_choices, keep_random=keep_random, host=host, overlap=overlap,

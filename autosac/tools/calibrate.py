@@ -283,6 +283,10 @@ def _first_call_us(width: int, batch: int, seq: int, regions: int = 6, rounds: i
     cold; later ones find it warm.  Measured here: 430-810 us (a call of
     six: 1.2-1.5 ms); in real models' mid plans the machinery of their one
     to three regions was priced 0.4-0.75 ms short (``bench_overhead_parts.py``).
+    The per-call figures hold a share of it already (each calibration call
+    is one of 6 or 24 in its step): a plan of many regions counts that share
+    twice, by a few percent of its machinery.  Not checked for noise as the
+    main rounds are.
     """
     import copy
     from dataclasses import replace
@@ -321,13 +325,12 @@ def _first_call_us(width: int, batch: int, seq: int, regions: int = 6, rounds: i
 
     for k in variants:
         step(k)
-    each, one = [], []
+    extra = []  # each round's own difference: the VM's drift moves a round's variants alike
     for _ in range(rounds):
         t = {k: step(k) for k in variants}
-        each.append((t["all"] - t["twice_all"]) / regions)
-        one.append(t["one"] - t["twice_one"])
-    extra = (statistics.median(one) - statistics.median(each)) * regions / (regions - 1)
-    return round(max(0.0, extra), 2)
+        extra.append((t["one"] - t["twice_one"]) - (t["all"] - t["twice_all"]) / regions)
+    # one call alone costs c + F, each of several c + F / regions
+    return round(max(0.0, statistics.median(extra) * regions / (regions - 1)), 2)
 
 
 def _cold_read_us_per_mib(small: float, large: float, tensors: int = 16, numel: int = 128 << 10,
