@@ -183,7 +183,7 @@ def _cuda_autocast_changes(op, leaves: list, spec, dtype: torch.dtype):
         got.append((args, kwargs))
         raise _Caught
 
-    with _temporary_kernels("AutogradCUDA", {op: catch}):
+    with _temporary_kernels("AutogradCUDA", {op.name(): catch}):
         with _disable_current_modes(), _cuda_autocast(dtype):
             mode = FakeTensorMode()
             with mode:
@@ -277,16 +277,10 @@ def _override_cpu_autocast(run):
     kernel of every op CUDA autocasts, and a fall-through for those only the
     CPU autocasts; on exit torch's kernels are back."""
     cuda, cpu_only = _autocast_ops()
-    kernels = {}
+    kernels = dict.fromkeys(cpu_only, torch.library.fallthrough_kernel)
     for name in cuda:
         try:
-            op = _op_overload(name)
-        except AttributeError:
-            continue
-        kernels[op] = _kernel(run, op)
-    for name in cpu_only:
-        try:
-            kernels[_op_overload(name)] = torch.library.fallthrough_kernel
+            kernels[name] = _kernel(run, _op_overload(name))
         except AttributeError:
             continue
     return _temporary_kernels("AutocastCPU", kernels)
@@ -294,8 +288,8 @@ def _override_cpu_autocast(run):
 
 @contextmanager
 def _temporary_kernels(key: str, kernels: dict):
-    """Register ``kernels`` (op overload -> kernel) on dispatch ``key`` for
-    the block only.
+    """Register ``kernels`` (op name, ``aten::`` optional -> kernel) on
+    dispatch ``key`` for the block only.
 
     The Python dispatcher (on while Dynamo and AOTAutograd trace) caches per
     op which kernel a key resolves to, and destroying a library does not
@@ -311,14 +305,22 @@ def _temporary_kernels(key: str, kernels: dict):
     try:
         with warnings.catch_warnings():  # "overriding a previously registered kernel": on purpose, undone on exit
             warnings.simplefilter("ignore")
-            for op, kernel in kernels.items():
-                lib.impl(op.name().removeprefix("aten::"), kernel, key)
-                op._uncache_dispatch(dispatch_key)
+            for name, kernel in kernels.items():
+                lib.impl(name.removeprefix("aten::"), kernel, key)
+                _uncache(name, dispatch_key)
         yield
     finally:
         lib._destroy()
-        for op in kernels:
-            op._uncache_dispatch(dispatch_key)
+        for name in kernels:
+            _uncache(name, dispatch_key)
+
+
+def _uncache(name: str, key) -> None:
+    """Drop the Python dispatcher's cached kernel choice for op ``name`` at ``key``."""
+    try:
+        _op_overload(name)._uncache_dispatch(key)
+    except AttributeError:  # no Python overload object: nothing cached for it
+        pass
 
 
 def _kernel(run, op):
