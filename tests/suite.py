@@ -186,6 +186,19 @@ __all__ = ["A100_CPU_KERNELS", "HF_SMALL", "Row", "assert_same_step", "check_mod
            "seeded", "training_step"]
 
 
+def stale_dispatch_choices() -> list[tuple[str, str, str]]:
+    """The Python dispatcher's cached kernel choices (op, key, choice) that
+    differ from a fresh resolution (each is re-resolved, so re-cached)."""
+    stale = []
+    for op in list(torch._ops.get_cached_ops()):
+        for key, cached in list(op._dispatch_cache.items()):
+            if isinstance(cached, torch._C.DispatchKey):
+                op._uncache_dispatch(key)
+                if op._get_dispatch(key) != cached:
+                    stale.append((str(op), str(key), str(cached)))
+    return stale
+
+
 def free_port() -> int:
     import socket
 

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from suite import A100_CPU_KERNELS, check_model, seeded
+from suite import A100_CPU_KERNELS, check_model, seeded, stale_dispatch_choices
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -242,18 +242,6 @@ def _traced_like_torch_compile(dtype=None):
     return [str(c.message) for c in caught if "autograd kernel" in str(c.message)], y.dtype, w.grad
 
 
-def _stale_resolutions() -> list:
-    """The Python dispatcher's cached kernel choices that differ from a fresh one."""
-    stale = []
-    for op in list(torch._ops.get_cached_ops()):
-        for key, cached in list(op._dispatch_cache.items()):
-            if isinstance(cached, torch._C.DispatchKey):
-                op._uncache_dispatch(key)
-                if op._get_dispatch(key) != cached:
-                    stale.append((str(op), str(key), str(cached)))
-    return stale
-
-
 def test_asking_cuda_autocast_leaves_no_kernel_behind_in_the_python_dispatcher(monkeypatch):
     """The trace registers kernels for a while: on AutocastCPU (CUDA's policy
     on CPU tensors) and, to ask CUDA autocast about an op, on AutogradCUDA.
@@ -275,7 +263,7 @@ def test_asking_cuda_autocast_leaves_no_kernel_behind_in_the_python_dispatcher(m
     asked = {key[1]: changes for key, (changes, _, _) in autocast._POLICY.items()}
     assert sorted(asked[aten.linear.default]) == [(0, BF16), (1, BF16)]  # the probe reached CUDA autocast's call
     assert asked[aten.layer_norm.default] == [(0, F32)] and y.dtype == F32
-    assert _stale_resolutions() == []
+    assert stale_dispatch_choices() == []
     for dtype, (warned, out_dtype, grad) in before.items():
         assert warned == [] and out_dtype == (dtype or F32)  # the premise
         assert _traced_like_torch_compile(dtype)[:2] == (warned, out_dtype)
