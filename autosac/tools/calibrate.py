@@ -97,7 +97,7 @@ from autosac.core.noise import (
     share_meter,
     steady,
 )
-from autosac.tools.calibration_models import _Block, _calibration_models, _large_models, _Layer, _tiny, _Twice
+from autosac.tools.calibration_models import _Block, _calibration_models, _large_models, _tiny, _Twice
 
 _CALIBRATED: HostCosts | None = None
 
@@ -250,7 +250,7 @@ def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, r
     if contended(threads, busy):
         reasons.append(f"other processes kept {busy:.1f} of {os.cpu_count()} cores busy beside {threads} torch threads")
     figures = dict(got.figures)
-    figures["first_call_us"] = _first_call_us(width, batch, seq)
+    figures["first_call_us"] = _first_call_us(models["shallow"], inputs[("shallow", "none")])
     if figures.get("large_op_bytes"):
         figures["cold_read_us_per_mib"] = _cold_read_us_per_mib(figures["small_op_bytes"], figures["large_op_bytes"])
     return Measured(HostCosts(**figures), tuple(reasons), got.rounds)
@@ -274,46 +274,36 @@ def _benchmark(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32)
     return models, variants, inputs
 
 
-def _first_call_us(width: int, batch: int, seq: int, regions: int = 6, rounds: int = 30) -> float:
-    """``first_call_us``: in a training loop (AdamW) of ``regions`` small
-    transformer blocks, each followed by a plain layer, what one block
-    checkpointed alone costs beyond a call of all of them checkpointed,
-    each set against its forward run twice, medians of ``rounds`` rounds.
-    A step's first checkpointed call runs the machinery's code and data
-    cold; later ones find it warm.  Measured here: 430-810 us (a call of
-    six: 1.2-1.5 ms); in real models' mid plans the machinery of their one
-    to three regions was priced 0.4-0.75 ms short (``bench_overhead_parts.py``).
-    The per-call figures hold a share of it already (each calibration call
-    is one of 6 or 24 in its step): a plan of many regions counts that share
+def _first_call_us(setup: dict, x: torch.Tensor, rounds: int = 30) -> float:
+    """``first_call_us``: in a training loop (AdamW) of the shallow
+    calibration model (``setup``: small transformer blocks, each followed
+    by a plain layer), what its middle block checkpointed alone costs beyond
+    a call of all of them checkpointed, each set against its forward run
+    twice; the median of each round's difference.  A step's first
+    checkpointed call runs the machinery's code and data cold; later ones
+    find it warm.  Measured here: 430-1160 us (a call of six: 1.2-1.5 ms);
+    in real models' mid plans the machinery of their one to three regions
+    was priced 0.4-0.75 ms short (``bench_overhead_parts.py``).  The
+    per-call figures hold a share of it already (each calibration call is
+    one of 6 or 24 in its step): a plan of many regions counts that share
     twice, by a few percent of its machinery.  Not checked for noise as the
     main rounds are.
     """
     import copy
-    from dataclasses import replace
 
     import autosac.applier
-    import autosac.trace
-    from autosac.core.devices import DEVICES
     from autosac.core.optim import make_optimizer
     from autosac.solver import plan_from_decisions
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        x = torch.randn(batch, seq, width)
-        model = nn.Sequential(*[m for _ in range(regions) for m in (_Block(width, 1), _Layer(width))])
-    names = [str(i) for i in range(0, 2 * regions, 2)]
-    alone = names[len(names) // 2]
-    spec = replace(DEVICES["cpu"], host=HostCosts())  # zero host costs: no calibration inside the calibration
-    stats = autosac.trace.profile(model, x, target=spec, optimizer="none", output_held=False)
-
-    def twice(which):
-        return nn.Sequential(*[_Twice(m) if str(i) in which else m for i, m in enumerate(copy.deepcopy(model))])
+    model, blocks = setup["variants"]["none"], setup["blocks"]
+    alone = str(2 * (blocks // 2))  # the middle region (regions are the even modules)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        variants = {"all": autosac.applier.apply(copy.deepcopy(model), plan_from_decisions(stats, dict.fromkeys(names, 1.0))),
-                    "twice_all": twice(names),
-                    "one": autosac.applier.apply(copy.deepcopy(model), plan_from_decisions(stats, {alone: 1.0})),
-                    "twice_one": twice([alone])}
+        one = autosac.applier.apply(copy.deepcopy(model), plan_from_decisions(setup["stats"], {alone: 1.0}))
+    variants = {"all": copy.deepcopy(setup["variants"]["whole"]), "twice_all": copy.deepcopy(setup["variants"]["twice"]),
+                "one": one,
+                "twice_one": nn.Sequential(*[_Twice(m) if str(i) == alone else m
+                                             for i, m in enumerate(copy.deepcopy(model))])}
     opts = {k: make_optimizer("adamw", list(m.parameters())) for k, m in variants.items()}
 
     def step(k: str) -> float:
@@ -328,9 +318,9 @@ def _first_call_us(width: int, batch: int, seq: int, regions: int = 6, rounds: i
     extra = []  # each round's own difference: the VM's drift moves a round's variants alike
     for _ in range(rounds):
         t = {k: step(k) for k in variants}
-        extra.append((t["one"] - t["twice_one"]) - (t["all"] - t["twice_all"]) / regions)
-    # one call alone costs c + F, each of several c + F / regions
-    return round(max(0.0, statistics.median(extra) * regions / (regions - 1)), 2)
+        extra.append((t["one"] - t["twice_one"]) - (t["all"] - t["twice_all"]) / blocks)
+    # one call alone costs c + F, each of several c + F / blocks
+    return round(max(0.0, statistics.median(extra) * blocks / (blocks - 1)), 2)
 
 
 def _cold_read_us_per_mib(small: float, large: float, tensors: int = 16, numel: int = 128 << 10,
