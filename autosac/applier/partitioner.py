@@ -79,14 +79,16 @@ class BudgetedForward:
         return BudgetedForward(memo.get(id(model), model), copy.deepcopy(self.own, memo), float(self.fraction))
 
 
-def require(fraction: float) -> None:
+def require(fraction: float | None = None) -> None:
     """Raises ValueError, naming the fix, where this torch cannot scope a
-    partitioner budget to one model (:func:`supported`)."""
+    partitioner budget (``fraction``, that of a plan) to one model (:func:`supported`)."""
     if not supported():
+        what = ("this plan keeps its budget by torch.compile's partitioner at "
+                f"activation_memory_budget={fraction:g}" if fraction is not None
+                else "partitioner=True plans by torch.compile's partitioner budget")
         raise ValueError(
-            f"this plan keeps its budget by torch.compile's partitioner at activation_memory_budget={fraction:g}, "
-            f"which torch {torch.__version__} cannot scope to one model: upgrade to torch >= 2.13, or re-plan "
-            "with this torch (its plans checkpoint modules instead)"
+            f"{what}, which torch {torch.__version__} cannot scope to one model: upgrade to torch >= 2.13, or "
+            "re-plan with this torch (its plans checkpoint modules instead)"
         )
 
 

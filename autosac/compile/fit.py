@@ -122,7 +122,7 @@ def fit_for_compile(model, stats: ModelStats, budget, example_inputs, *, backend
     if partitioner is None:
         partitioner = backend == "inductor" and partitioner_supported()
     elif partitioner:
-        require_partitioner(0.5)
+        require_partitioner()
     headroom = CUDA_PARTITIONER_HEADROOM if stats.target.get("device_type") == "cuda" else 0.0
     best, tried = (search_fraction(tracer.fraction, int(budget_bytes * (1 - headroom))) if partitioner
                    else (None, []))
