@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import sys
 import time
 import warnings
@@ -110,8 +109,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", choices=("least", "mid"), default="least")
     ap.add_argument("--regime", choices=("dispatch", "compute"), help="default: each model's first")
     a = ap.parse_args(argv)
-    if any(os.environ.get(k) != v for k, v in ps.GLIBC_KEEPS.items()):  # measured as predict_suite measures
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ps.GLIBC_KEEPS})
+    ps.keep_freed_memory()  # measured as predict_suite measures
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     started = time.perf_counter()

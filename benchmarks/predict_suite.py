@@ -384,6 +384,13 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def keep_freed_memory() -> None:
+    """Re-execute this script with glibc keeping the memory a step frees
+    (:data:`GLIBC_KEEPS`, read at start only), unless already so or not glibc."""
+    if platform.libc_ver()[0] == "glibc" and any(k not in os.environ for k in GLIBC_KEEPS):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **GLIBC_KEEPS})
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", help="comma-separated names (default: all): " + ", ".join(MODELS))
@@ -395,8 +402,8 @@ def main(argv=None) -> int:
     ap.add_argument("--glibc-returns", action="store_true",
                     help="keep glibc's defaults: freed heap goes back to the system and is page-faulted in again")
     a = ap.parse_args(argv)
-    if not a.glibc_returns and platform.libc_ver()[0] == "glibc" and any(k not in os.environ for k in GLIBC_KEEPS):
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **GLIBC_KEEPS})  # read at start only
+    if not a.glibc_returns:
+        keep_freed_memory()
     names = a.models.split(",") if a.models else list(QUICK if a.quick else MODELS)
     unknown = [n for n in names if n not in MODELS]
     if unknown:
