@@ -148,8 +148,13 @@ def test_with_dropout_every_compiled_matmul_takes_the_plans_decision(monkeypatch
     monkeypatch.setattr(compiled_path.CallMatcher, "match", recording)
     torch.manual_seed(0)
     model, idx = build_model("gpt2", device="cpu", batch=2, **{**CFG, "dropout": 0.1})
-    plan = autosac.solve(autosac.profile(model, idx, optimizer="sgd", target="cpu"), "80%")
-    assert any(name.endswith("attn") for name in plan.decisions)
+    # attention blocks that save some of their matmuls, by decision (a plan solved on this
+    # CPU's timings checkpointed no attention block at 80 % in one CI run)
+    from autosac.solver import plan_from_decisions
+
+    stats = autosac.profile(model, idx, optimizer="sgd", target=A100_CPU_KERNELS)
+    plan = plan_from_decisions(stats, {"blocks.0.attn": 0.6, "blocks.1.attn": 0.6})
+    assert all(d.save for d in plan.details.values())
     autosac.apply(model, plan)
     torch._dynamo.reset()
     torch.compile(model, backend="aot_eager")(idx).float().sum().backward()

@@ -85,7 +85,9 @@ def _peak_worker(rank, world, port, plan_json, out_dir, mixed=None, plain_checkp
         # exactly one block's gathered parameters more (+1.6 % in CI) -- most
         # likely gloo's worker thread dropping a finished all-gather's output,
         # a free the profiler does not see and measure() counts only when the
-        # address is handed out again (docs/fsdp-zero3.md); every step reaches the real peak
+        # address is handed out again (docs/fsdp-zero3.md; not shown to be the
+        # profiler's alone: a late free holds the memory until then).  A fault
+        # on every step still shows; one on a share p of steps, with p cubed
         peak = min(autosac.measure(model, idx, optimizer="adamw", steps=0).peak_bytes for _ in range(3))
         (out_dir / f"rank{rank}").write_text(str(peak))
 
