@@ -382,7 +382,11 @@ def test_each_figure_is_the_median_of_its_rounds_figures(fresh):
     def scaled(factor, only=None):
         return {k: [(fw * factor, t * factor) if only in (None, k[1]) else (fw, t) for fw, t in v]
                 for k, v in real.items()}
-    rounds = [scaled(1.0), scaled(1.3), scaled(0.8), scaled(0.7, only="whole"), scaled(1.0)]
+    # four steady rounds of seven: the median of each figure is the steady one's however the
+    # other three order.  With two of five, one CI run's selective_us_per_mib came out 69.007
+    # for 68.878: a figure need not move monotonically with the drift (differences clamped at
+    # zero, set against kernel times that do not drift), so three others could lie on one side
+    rounds = [scaled(1.0), scaled(1.3), scaled(1.0), scaled(0.8), scaled(1.0), scaled(0.7, only="whole"), scaled(1.0)]
     steady = host._estimate(models, [real])
     assert host._estimate(models, rounds) == steady
     least_apart = {k: [min((s for r in rounds for s in r[k]), key=lambda s: s[1])] for k in real}
