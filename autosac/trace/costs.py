@@ -333,12 +333,18 @@ class CostModel:
                 return roofline, False
 
         # cached, else timed now; a cached outlier (timed while another process ran) again
-        return self._timings.timed(repr((str(func), _shape_key((args, kwargs)), TIMED_INPUTS)), time_op, roofline)
+        return self._timings.timed(timing_key(func, args, kwargs), time_op, roofline)
 
     def finish(self) -> None:
         """Keep this profile's new timings for the next one (``target="cpu"``)."""
         if self._timings is not None:
             self._timings.save()
+
+
+def timing_key(func, args, kwargs) -> str:
+    """The key a CPU op timing is kept under (:class:`autosac.trace.timings.TimingCache`):
+    the op, its tensors' shapes, strides and dtypes, its other arguments, the inputs' values."""
+    return repr((str(func), _shape_key((args, kwargs)), TIMED_INPUTS))
 
 
 def _shape_key(tree) -> tuple:
@@ -376,10 +382,15 @@ def _time_real(func, args, kwargs) -> tuple[float, bool]:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():
-        real_args, real_kwargs = tree_map(
-            lambda x: _real_like(x) if isinstance(x, torch.Tensor) else x, (args, kwargs)
-        )
+        real_args, real_kwargs = real_inputs(args, kwargs)
         return best_ms(lambda: func(*real_args, **real_kwargs))
+
+
+def real_inputs(args, kwargs) -> tuple[tuple, dict]:
+    """CPU tensors of the shapes, strides and dtypes of those in ``(args, kwargs)``
+    (fake, meta or real), filled as ops are timed on (:data:`TIMED_INPUTS`).  Raises
+    RuntimeError for an expanded tensor (one element at several places)."""
+    return tree_map(lambda x: _real_like(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
 
 
 @lru_cache(maxsize=1)
