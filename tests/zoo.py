@@ -107,6 +107,17 @@ def build_gemma2():
     return _lm(tf.Gemma2ForCausalLM(cfg))
 
 
+def build_falcon():
+    """Falcon with multi-query attention (one key/value head, expanded to the query's heads):
+    on the CPU its ``sdpa`` runs the math path, whose ``_safe_softmax`` works in scratch
+    (not in :data:`TRANSFORMERS`: one test, at its least budget, is what it is here for)."""
+    tf = _transformers()
+    cfg = tf.FalconConfig(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          new_decoder_architecture=False, multi_query=True, hidden_dropout=0.0,
+                          attention_dropout=0.0, use_cache=False, attn_implementation="sdpa")
+    return _lm(tf.FalconForCausalLM(cfg), batch=8)
+
+
 def build_gpt_neox():
     """GPT-NeoX: parallel attention and MLP, partial rotary embeddings (``sdpa``)."""
     tf = _transformers()
