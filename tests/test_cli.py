@@ -86,8 +86,9 @@ def test_cli_user_mistakes_are_one_line(argv, match, capsys):
     assert __import__("re").search(match, lines[-1]), lines[-1]
 
 
-def test_the_console_entry_point_reports_a_mistake_in_one_line():
-    proc = subprocess.run([sys.executable, "-m", "autosac.cli", "plan", "--budget", "50%", "--model",
+@pytest.mark.parametrize("module", ["autosac.cli", "autosac"])  # a new user tried python -m autosac
+def test_the_console_entry_point_reports_a_mistake_in_one_line(module):
+    proc = subprocess.run([sys.executable, "-m", module, "plan", "--budget", "50%", "--model",
                            "no.such.module:f"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
