@@ -48,6 +48,12 @@ def test_malformed_forms_name_the_accepted_ones(bad):
     assert "\n" not in msg
 
 
+@pytest.mark.parametrize("bad", ["-5%", "-1GiB", " -2MB", "-4096"])
+def test_a_negative_budget_says_so(bad):  # a new user's "-5%" was "cannot parse"
+    with pytest.raises(ValueError, match="is not positive"):
+        parse_budget(bad, PEAK)
+
+
 def test_a_fractional_number_without_a_unit_asks_for_one():
     with pytest.raises(ValueError, match=r"budget '0.5' has no unit \(a bare number is bytes\): write '0.5GiB'"):
         parse_budget("0.5", PEAK)

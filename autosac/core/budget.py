@@ -55,6 +55,8 @@ def parse_budget(budget: str | int | float, baseline_peak_bytes: int, what: str 
             raise ValueError(f"{what} {budget!r} is not finite: use {ACCEPTED}")
         value = int(budget * 2**30)
     elif isinstance(budget, str):
+        if budget.strip().startswith("-") and _PATTERN.match(budget.strip()[1:]):  # "-5%": the pattern takes no sign
+            raise ValueError(f"{what} {budget!r} is not positive: use {ACCEPTED}")
         m = _PATTERN.match(budget)
         if not m or m.group(2).lower() not in (*_UNITS, "%"):
             raise ValueError(f"cannot parse {what} {budget!r}: use {ACCEPTED}")

@@ -36,7 +36,7 @@ def verify_plan_file(args) -> int:
     if plan.input_shapes and found != plan.input_shapes:
         raise PlanMismatchError(
             f"{args.plan} was made for inputs {format_signature(plan.input_shapes)}, not {format_signature(found)}: "
-            "pass the --batch and --seq it was planned with (its budget holds only for those)"
+            "pass the --batch, --seq and --model-arg it was planned with (its budget holds only for those)"
         )
     device = _device_for(plan, args.plan)
     model, inputs = build_from_spec(args.model, args.model_arg, args.batch, args.seq, device=device)
