@@ -4,6 +4,8 @@ in the held loop (its output's key/value cache), SegFormer (softmax of
 channels-last logits), a diffusers VAE (results no backward reads; strides of
 size-1 dims at batch size 1)."""
 
+import copy
+
 import pytest
 import torch
 
@@ -75,6 +77,27 @@ def test_safe_softmax_scratch_where_no_probe_runs(shape, dim, dtype):
     func, x = torch.ops.aten._safe_softmax.default, torch.randn(shape).to(dtype)
     peak, made = allocation_peak(lambda: func(x, dim))
     assert transient_bytes(func, (x, dim)) == peak - made > x.numel()
+
+
+def test_norms_of_autocast_activations_with_float32_parameters_exact():
+    """Under CPU bf16 autocast a BatchNorm2d, GroupNorm or LayerNorm keeps its
+    float32 parameters: the kernels save mean and inverse std in float32,
+    which the meta kernels make bfloat16.  A new user's Segformer measured
+    21 KB over a plan's budget, a Conv2d-BatchNorm2d 256 bytes: now exact."""
+    from suite import A100_CPU_KERNELS
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(8, 64, 1), torch.nn.BatchNorm2d(64), torch.nn.GroupNorm(8, 64),
+                                torch.nn.LayerNorm(16), torch.nn.ReLU(), torch.nn.Conv2d(64, 8, 1))
+    x = torch.randn(4, 8, 16, 16)
+    kw = dict(autocast=torch.bfloat16, optimizer="adamw")
+    stats = autosac.profile(model, x, target=A100_CPU_KERNELS, **kw)
+    assert stats.peak_bytes == autosac.measure(model, x, steps=0, **kw).peak_bytes
+    plan = autosac.solve(stats, "least")
+    measured = autosac.measure(autosac.apply(copy.deepcopy(model), plan), x, steps=0, **kw).peak_bytes
+    # a plan under autocast may over-predict a little (docs/memory-model.md): never under
+    assert measured <= plan.predicted_peak_bytes <= plan.budget_bytes and plan.decisions
+    assert plan.predicted_peak_bytes - measured <= 0.01 * measured
 
 
 def test_segformer_exact():

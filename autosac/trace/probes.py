@@ -195,6 +195,31 @@ def scalar_scratch_bytes(func, args, kwargs, device_type: str = "cpu") -> int:
     return wrapped.itemsize + (first.element_size() if first.dtype != wrapped else 0)
 
 
+# normalizations that save a mean and an inverse std (outputs 1 and 2): where their
+# parameters sit among the arguments
+_NORM_PARAMS = {"native_batch_norm": (1, 5), "_native_batch_norm_legit": (1, 5), "_batch_norm_with_update": (1, 5),
+                "native_layer_norm": (2, 4), "native_group_norm": (1, 3)}
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def norm_stat_bytes(func, args, outs) -> tuple[int, ...] | None:
+    """Each output's bytes for a batch, layer or group norm of half-precision
+    input with wider parameters (a float32 ``BatchNorm2d`` or ``LayerNorm``
+    under autocast): its kernel keeps the saved mean and inverse std in the
+    parameters' dtype, where the meta kernel says the input's (on the CPU,
+    measured: 256 bytes for 64 channels, not 128; a Conv2d-BatchNorm2d step
+    under bf16 autocast read 256 bytes over its least budget, a Segformer
+    21 KB).  None for any other op or mix."""
+    where = _NORM_PARAMS.get(func.overloadpacket.__name__)
+    if where is None or not args or not isinstance(args[0], torch.Tensor) or args[0].dtype not in _HALF:
+        return None
+    params = [a for a in args[where[0]:where[1]] if isinstance(a, torch.Tensor)]
+    if not params or params[0].element_size() <= args[0].element_size():
+        return None
+    wide = params[0].element_size()
+    return tuple(t.numel() * wide if j in (1, 2) else t.untyped_storage().nbytes() for j, t in enumerate(outs))
+
+
 def real_output_bytes(func, args, kwargs) -> tuple[int, ...] | None:
     """Storage bytes of each tensor output when the real kernel runs (on zeros
     of the same shapes; inputs up to 256 MiB), or None."""

@@ -36,6 +36,7 @@ from autosac.trace.probes import (
     REAL_SIZE_OPS,
     dtypes_key,
     needs_probe,
+    norm_stat_bytes,
     number_in_tensor_slot,
     probed_scratch_bytes,
     real_output_bytes,
@@ -332,8 +333,12 @@ class StepRecorder(TorchDispatchMode):
 
     def _track_outputs(self, func, args, kwargs, outs, idx: int, kind: str) -> None:
         """Register the storages the op made (sized as the real kernel sizes them
-        where the meta kernel differs: :data:`~autosac.trace.probes.REAL_SIZE_OPS`)."""
-        sizes = real_output_bytes(func, args, kwargs) if func.overloadpacket.__name__ in REAL_SIZE_OPS else None
+        where the meta kernel differs: :data:`~autosac.trace.probes.REAL_SIZE_OPS`,
+        :func:`~autosac.trace.probes.norm_stat_bytes`)."""
+        if func.overloadpacket.__name__ in REAL_SIZE_OPS:
+            sizes = real_output_bytes(func, args, kwargs)
+        else:
+            sizes = norm_stat_bytes(func, args, outs)
         for j, t in enumerate(outs):
             self.track(t, kind, created=idx, producer=idx, nbytes=sizes[j] if sizes and j < len(sizes) else None)
 
