@@ -244,3 +244,56 @@ def test_a_checkpointed_call_captures_the_users_state_not_autosacs():
     out.backward()
     assert copy.deepcopy(model)(x).shape == x.shape  # still copies and runs
     assert pickle.loads(pickle.dumps(model))(x).shape == x.shape
+
+
+class _ScatterGather(nn.Module):
+    """Pools rows into segments with ``scatter_add_`` into fresh zeros, then reads them back."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, h, seg):
+        z = torch.nn.functional.gelu(self.proj(h))
+        index = seg.unsqueeze(-1).expand(-1, -1, h.shape[-1])
+        pooled = torch.zeros(h.shape[0], 8, h.shape[-1]).scatter_add_(1, index, z)
+        return h + torch.gather(pooled, 1, index) * 0.1 + z
+
+
+def test_a_write_into_fresh_zeros_is_traced_as_the_region_runs_it():
+    """A new user's trial: ``torch.zeros(...).scatter_add_(...)`` then ``gather``
+    of it.  The trace made the zeros real and small, wrote their fake twin,
+    and read them back as another fake: the gather's input was lost from the
+    dataflow, so the applied region warned it ran "on other results than in
+    the trace" and recomputed everything (gradients exact, the plan's savings
+    gone).  Now the read is the twin the write went to."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_ScatterGather(), _ScatterGather())
+    x, seg = torch.randn(4, 24, 32), torch.randint(0, 8, (4, 24))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = model
+
+        def forward(self, h, s):
+            for b in self.blocks:
+                h = b(h, s)
+            return h
+
+    net = Net()
+    stats = autosac.profile(net, (x, seg), optimizer="sgd", target=A100_CPU_KERNELS)
+    w0, w1 = stats.modules["blocks.0"].fw_windows[0]
+    gather = next(e for e in range(w0, w1) if stats.timeline.ops[e] == "gather")
+    made = {stats.timeline.ops[e] for e in stats.timeline.inputs[gather]}
+    assert made == {"zeros", "scatter_add_"}, made
+    plan = plan_from_decisions(stats, {"blocks.0": 0.5})
+    assert plan.details["blocks.0"].save  # selective: its calls are checked against the trace
+    ref = copy.deepcopy(net)
+    autosac.apply(net, plan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "other results than in the trace"
+        net(x, seg).sum().backward()
+    ref(x, seg).sum().backward()
+    for a, b in zip(net.parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad)

@@ -117,6 +117,14 @@ class DataflowTracker:
                     flow[id(st)] = [idx, [], weakref.ref(st)]
         return tuple(sorted(deps)) if len(deps) > 1 else tuple(deps)
 
+    def alias(self, src, dst) -> None:
+        """Make storage ``dst`` stand for storage ``src``: the same producer, and
+        the writes of either (the trace's fake twin of a real tensor a fake op
+        wrote, :mod:`autosac.trace.recorder`)."""
+        entry = self._entry(src)
+        if entry is not None:
+            self._flow[id(dst)] = [entry[0], entry[1], weakref.ref(dst)]
+
     def produced_here(self, t: torch.Tensor) -> bool:
         """Whether a tracked call produced ``t``'s storage (rather than it coming from outside)."""
         st = _storage(t)

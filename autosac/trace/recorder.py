@@ -91,6 +91,7 @@ class StepRecorder(TorchDispatchMode):
         self.routing = RoutingTrace()  # MoE routing decisions get real indices (autosac.trace.routing)
         self._twins: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # real tensors of another device -> cpu twin
         self._stale: dict[int, torch.UntypedStorage] = {}  # real storages a fake op wrote (their values unknown)
+        self._twins: dict[int, torch.Tensor] = {}  # ... the fake tensor the write went to, where it has their layout
         self.random_branch = False  # the forward failed reading a value drawn at random (LayerDrop)
 
     # ----------------------------------------------------------- storages
@@ -397,17 +398,24 @@ class StepRecorder(TorchDispatchMode):
         outs = tensors_in(ran)
         if not outs or not isinstance(outs[0], FakeTensor):
             return  # it ran for real: the values are right
-        for t in written_tensors(func, args, kwargs):
-            if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor):
+        written = [t for t in written_tensors(func, args, kwargs) if isinstance(t, torch.Tensor)]
+        for t in written:
+            if not isinstance(t, FakeTensor):
                 st = t.untyped_storage()
                 self._stale[id(st)] = st  # kept: its id is not reused while known
+                if len(written) == 1 and _same_layout(t, outs[0]):
+                    # later reads of it are reads of the twin the write went to: one storage to the
+                    # dataflow, made where the real one was (as the applier sees the real call)
+                    self._twins[id(st)] = outs[0]
+                    self._flow.alias(st, outs[0].untyped_storage())
 
     def _stale_as_fake(self, args, kwargs):
         """The arguments with each stale real tensor as its fake twin, the one
         the write went to: its values are unknown, as they are."""
         def fake(t):
             if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and id(t.untyped_storage()) in self._stale:
-                return self.fake_mode.from_tensor(t)
+                twin = self._twins.get(id(t.untyped_storage()))
+                return twin if twin is not None and _same_layout(t, twin) else self.fake_mode.from_tensor(t)
             return t
 
         return tree_map(fake, (args, kwargs))
@@ -472,3 +480,9 @@ class StepRecorder(TorchDispatchMode):
         self.rec.unknown_ops = set(self.cost.unknown_ops)
         self.rec.routers = list(self.routing.calls)
         return self.rec
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors view their storages alike (shape, strides, offset, dtype)."""
+    return (a.shape == b.shape and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
+            and a.dtype == b.dtype)
