@@ -62,7 +62,7 @@ def test_falcon_multi_query_keeps_its_least_budget():
     last layer's attention checkpointed, measured 516 KiB over its least budget.
     Its recompute runs at the step's peak, and the math attention's
     ``_safe_softmax`` allocates an input-sized boolean mask and its row summary
-    inside the call, which the trace did not see (now measured by a probe)."""
+    inside the call, which the trace did not see (now counted)."""
     build = zoo.seeded(zoo.build_falcon)
     rows = check_model("falcon-mq", lambda: build()[:2], loss_fn=build()[2], labels=("least",), optimizer="adamw")
     assert rows and all(r.bitwise for r in rows), rows

@@ -49,7 +49,8 @@ def _collect(x, out: list) -> None:
             _collect(v, out)
 
 
-def _storage(t: torch.Tensor):
+def storage_of(t: torch.Tensor):
+    """``t``'s storage, or None for a tensor without one (some subclasses)."""
     try:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # tensors without a storage (some subclasses)
@@ -97,14 +98,14 @@ class DataflowTracker:
         deps = self._deps(storages)
         if not kind.view:
             for t in written:
-                st = _storage(t)
+                st = storage_of(t)
                 if st is not None:
                     entry = self._entry(st)
                     if entry is None:
                         entry = flow[id(st)] = [None, [], weakref.ref(st)]
                     entry[1].append(idx)
             for t in (out,) if isinstance(out, _TENSOR) else tensors_in(out):
-                st = _storage(t)
+                st = storage_of(t)
                 if st is None:
                     continue
                 entry = flow.get(id(st))
@@ -127,7 +128,7 @@ class DataflowTracker:
 
     def produced_here(self, t: torch.Tensor) -> bool:
         """Whether a tracked call produced ``t``'s storage (rather than it coming from outside)."""
-        st = _storage(t)
+        st = storage_of(t)
         entry = self._entry(st) if st is not None else None
         return entry is not None and entry[0] is not None
 
@@ -155,7 +156,7 @@ def arg_storages(args, kwargs) -> list:
             out.extend(t.untyped_storage() for t in tensors_in(kwargs))
         return out
     except (RuntimeError, NotImplementedError):  # tensors without a storage (some subclasses)
-        return [st for st in map(_storage, tensors_in(args, kwargs)) if st is not None]
+        return [st for st in map(storage_of, tensors_in(args, kwargs)) if st is not None]
 
 
 def local_calls(ops: list[str], inputs: list[list[int]], window: tuple[int, int], ignored) -> tuple[list[int], list]:

@@ -30,6 +30,7 @@ import math
 import torch
 from torch.utils._pytree import tree_leaves
 
+from autosac.core.dataflow import arg_storages, storage_of
 from autosac.core.opkinds import is_view_op, writes_input
 
 # the large calibration: a step of compute-bound size (outputs of 0.5-2 MiB per op)
@@ -67,17 +68,9 @@ def made_bytes(func, args, kwargs, out) -> int:
     by which its host cost is priced, as the trace's ``made_bytes`` counts it."""
     if is_view_op(func) or writes_input(func):
         return 0
-    inputs = {_storage_id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    inputs = {id(st) for st in arg_storages(args, kwargs)}
     return sum(t.numel() * t.element_size() for t in tree_leaves(out)
-               if isinstance(t, torch.Tensor) and (_storage_id(t) not in inputs or _storage_id(t) is None))
-
-
-def _storage_id(t: torch.Tensor) -> int | None:
-    """The identity of ``t``'s storage (None where it has none: a wrapper subclass)."""
-    try:
-        return id(t.untyped_storage())
-    except (RuntimeError, NotImplementedError):
-        return None
+               if isinstance(t, torch.Tensor) and ((st := storage_of(t)) is None or id(st) not in inputs))
 
 
 def anchor_bytes(stats) -> float:

@@ -192,7 +192,7 @@ def transient_bytes(func, args) -> int:
         return sum(tensor_bytes(t) for t in copies if isinstance(t, torch.Tensor) and not t.is_contiguous())
     if name == "_safe_softmax" and args and isinstance(args[0], torch.Tensor):
         # the rows masked to -inf: a boolean mask of the input, its per-row summary and the -inf
-        # scalar, alive while the result is made (probed where the kernel can be run on zeros)
+        # scalar, alive while the result is made (the same as the allocator shows: tests)
         x, dim = args[0], args[1] if len(args) > 1 else -1
         return x.numel() + x.numel() // max(1, x.shape[dim] if x.dim() else 1) + x.element_size()
     if name in _FUSED_ATTENTION_BACKWARD and len(args) > 2:

@@ -91,7 +91,7 @@ class StepRecorder(TorchDispatchMode):
         self.routing = RoutingTrace()  # MoE routing decisions get real indices (autosac.trace.routing)
         self._twins: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # real tensors of another device -> cpu twin
         self._stale: dict[int, torch.UntypedStorage] = {}  # real storages a fake op wrote (their values unknown)
-        self._twins: dict[int, torch.Tensor] = {}  # ... the fake tensor the write went to, where it has their layout
+        self._written_twins: dict[int, torch.Tensor] = {}  # ... the fake tensor the write went to, with their layout
         self.random_branch = False  # the forward failed reading a value drawn at random (LayerDrop)
 
     # ----------------------------------------------------------- storages
@@ -406,7 +406,7 @@ class StepRecorder(TorchDispatchMode):
                 if len(written) == 1 and _same_layout(t, outs[0]):
                     # later reads of it are reads of the twin the write went to: one storage to the
                     # dataflow, made where the real one was (as the applier sees the real call)
-                    self._twins[id(st)] = outs[0]
+                    self._written_twins[id(st)] = outs[0]
                     self._flow.alias(st, outs[0].untyped_storage())
 
     def _stale_as_fake(self, args, kwargs):
@@ -414,7 +414,7 @@ class StepRecorder(TorchDispatchMode):
         the write went to: its values are unknown, as they are."""
         def fake(t):
             if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and id(t.untyped_storage()) in self._stale:
-                twin = self._twins.get(id(t.untyped_storage()))
+                twin = self._written_twins.get(id(t.untyped_storage()))
                 return twin if twin is not None and _same_layout(t, twin) else self.fake_mode.from_tensor(t)
             return t
 
