@@ -6,6 +6,8 @@
 #                 entry, fixed since on the CPU: it must now measure ~11 GiB, ~33 ms, no autograd warning) and
 #                 the compiled comparison (limit 420 s; on a fresh H100, 2026-11-26, torch 2.11, its autosac
 #                 row alone did not finish in 200 s, and took 142 s warm);
+#   PART=compile2: the compiled comparison's rows gpu_compile.py --quick leaves out for time: the 16-layer
+#                 Llama at 0.5 (limit 300 s) and gpt2 at 0.3 and 0.7 (200 s); not yet run on a GPU;
 #   PART=rest:    everything else (limits 480 s; 290 s on a fresh H100, 2026-11-26).
 #
 # Unset, PART runs both in one go.  Each step has a time limit; one that runs out is said so in summary.txt,
@@ -80,6 +82,10 @@ if part compile; then
   else
     step gpu_compile 420 python3 benchmarks/gpu_compile.py "$DIR/gpu_compile.md" --quick
   fi
+fi
+if [ "${PART:-}" = compile2 ]; then  # the compiled comparison's other rows, each step cut short keeps its rows
+  step gpu_compile_llama 300 python3 benchmarks/gpu_compile.py "$DIR/gpu_compile_llama.md" --quick --models llama
+  step gpu_compile_gpt2_more 200 python3 benchmarks/gpu_compile.py "$DIR/gpu_compile_gpt2_more.md" --quick --fractions 0.3,0.7
 fi
 if part rest; then
   step gpu_hf_gpt2 60 sh -c "python3 benchmarks/gpu_hf_gpt2.py > '$DIR/gpu_hf_gpt2.txt'"

@@ -12,8 +12,11 @@ no GPU needed to plan; where that is the partitioner's own budget at a
 fraction found in fake mode, also the best plan that checkpoints modules,
 except with ``--quick``)
 and its eager plan, each with predicted beside measured.  Goal: every autosac compiled row within its budget and no slower
-than ``activation_memory_budget`` at the same peak.  ``--quick``: gpt2 at 0.5
-only (what ``gpu_check.sh`` runs in its five minutes).
+than ``activation_memory_budget`` at the same peak.  ``--quick``: the
+fractions' rows only (no plain compile, 50 %, least or second fit), gpt2 at 0.5
+unless ``--models``/``--fractions`` say otherwise (``gpu_check.sh``'s
+``PART=compile`` runs gpt2 at 0.5, ``PART=compile2`` the rest, each within a
+600 s call).
 
 Peaks are ``torch.cuda.max_memory_allocated`` over one steady-state step (as
 :func:`autosac.measure` reads them); steps are medians of timed steps.
@@ -165,9 +168,10 @@ class _Saved(list):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out")
-    p.add_argument("--models", default="gpt2,llama")
-    p.add_argument("--fractions", default="0.3,0.5,0.7")
-    p.add_argument("--quick", action="store_true", help="gpt2 at 0.5 only, without the plain torch.compile row")
+    p.add_argument("--models", help="default gpt2,llama (--quick: gpt2)")
+    p.add_argument("--fractions", help="default 0.3,0.5,0.7 (--quick: 0.5)")
+    p.add_argument("--quick", action="store_true",
+                   help="the fractions' rows only: no plain torch.compile, 50 %%, least or second fit")
     p.add_argument("--smoke", action="store_true", help="a tiny gpt2 on the CPU: checks the script runs")
     args = p.parse_args()
     if args.smoke:
@@ -177,8 +181,8 @@ def main() -> None:
                                                                          n_head=4, vocab=512))
     elif not torch.cuda.is_available():
         raise SystemExit("gpu_compile: no CUDA device here: run it on a GPU machine (benchmarks/gpu_check.sh)")
-    models = ["gpt2"] if args.quick else args.models.split(",")
-    fractions = [0.5] if args.quick else [float(f) for f in args.fractions.split(",")]
+    models = (args.models or ("gpt2" if args.quick else "gpt2,llama")).split(",")
+    fractions = [float(f) for f in (args.fractions or ("0.5" if args.quick else "0.3,0.5,0.7")).split(",")]
     out = _Saved(args.out)
     out += [f"# autosac compiled plans against activation_memory_budget ({datetime.date.today()})\n",
            f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else 'cpu'}, torch {torch.__version__}, bf16 autocast, AdamW, held loop\n"]
