@@ -112,6 +112,9 @@ class ModuleStats:
     tradeoff_exact_points: int = 0
     # per forward call: tensors autograd saved inside it (each costs a checkpoint's hooks, autosac.tools.calibrate)
     saved_tensors: list[int] = field(default_factory=list)
+    # per forward call: the backward event a checkpoint of it re-runs the forward at, its first read of a
+    # tensor saved inside it (-1: none); backward ops before it read nothing saved (autosac.trace.aggregate)
+    recompute_starts: list[int] = field(default_factory=list)
     # its forward reads tensors derived from an MoE routing decision (autosac.trace.routing): how many
     # op calls it runs, and their sizes, follow the routing, so it is checkpointed only whole and plainly
     routed: bool = False

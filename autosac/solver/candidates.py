@@ -85,13 +85,18 @@ class _ReplayCasts:
 
     def __init__(self, stats: ModelStats):
         # saved ops are in event order; a cast gathered as such is no copy (autosac.zero3)
-        casts = [op for op in stats.saved_ops if op.param_cast and op.param not in stats.gathered_dtypes]
-        self.events = [op.event for op in casts]
-        self.cum = np.concatenate([[0], np.cumsum([op.bytes for op in casts], dtype=np.int64)])
+        self.casts = [op for op in stats.saved_ops if op.param_cast and op.param not in stats.gathered_dtypes]
+        self.events = [op.event for op in self.casts]
+        self.cum = np.concatenate([[0], np.cumsum([op.bytes for op in self.casts], dtype=np.int64)])
 
-    def __call__(self, window: tuple[int, int]) -> int:
+    def __call__(self, window: tuple[int, int], remade_after: int | None = None) -> int:
+        """Bytes of the casts made in ``window``; with ``remade_after``, only
+        those the unmodified step has not re-made for their use by that event
+        (the others are in its live bytes there already)."""
         lo, hi = bisect.bisect_left(self.events, window[0]), bisect.bisect_left(self.events, window[1])
-        return int(self.cum[hi] - self.cum[lo])
+        if remade_after is None:
+            return int(self.cum[hi] - self.cum[lo])
+        return sum(op.bytes for op in self.casts[lo:hi] if not 0 <= op.remade_at <= remade_after)
 
 
 def _discard_items(stats: ModelStats, op_ids: list[int], window,
@@ -419,11 +424,26 @@ def _choices(r: Reading, fqn: str, m) -> _Choices | None:
     return _Choices(calls=calls, items=items, picks=picks, rerun=rerun, mechanism=list(mechanism))
 
 
+def _discard_bytes(op, window) -> int:
+    """What discarding saved op ``op`` frees until the backward: nothing where
+    the unmodified step frees it before the call's forward ends (its saving
+    node died with a result the forward dropped: RWKV's last state update)."""
+    return op.bytes if op.freed_event >= window[1] else 0
+
+
+def _recompute_start(m, j: int, span) -> int:
+    """Where call ``j``'s replay runs: at its first backward read of a tensor
+    saved inside it (``ModuleStats.recompute_starts``), within its backward ``span``."""
+    starts = m.recompute_starts
+    first = starts[j] if j < len(starts) else -1
+    return min(max(first, span[0]), span[1])
+
+
 def _call_candidate(r: Reading, fqn: str, m, choices: _Choices, j: int, window, span, mine) -> Candidate:
     """The candidate of the module's ``j``-th call (forward events ``window``,
     backward ``span``), discarding ``mine`` (its first call's items, mapped)."""
     stats, picks = r.stats, choices.picks
-    cum_b = np.cumsum([sum(stats.saved_ops[i].bytes for i in it) for it in mine])
+    cum_b = np.cumsum([sum(_discard_bytes(stats.saved_ops[i], window) for i in it) for it in mine])
     retained = m.retained_input_calls[j] if j < len(m.retained_input_calls) else m.retained_input_bytes
     parts = [tuple(x) for x in m.retained_inputs[j]] if j < len(m.retained_inputs) else []
     outside = m.outside_write_calls[j] if j < len(m.outside_write_calls) else m.outside_write_bytes
@@ -432,13 +452,15 @@ def _call_candidate(r: Reading, fqn: str, m, choices: _Choices, j: int, window, 
     # over the whole interval: it is held from its consumers' backward on)
     net = [int(cum_b[k - 1]) - hold - _cache_held(m, stats, mine, k, window)[0] for k in picks]
     casts = r.replay_casts(window)
+    end = _recompute_start(m, j, span)
     return Candidate(
-        fqn=fqn, start=window[1], end=span[0], bw_end=span[1], bytes=net,
+        fqn=fqn, start=window[1], end=end, bw_end=span[1], bytes=net,
         discarded=[int(cum_b[k - 1]) for k in picks],
         ms=[t + mech for t, mech in zip(choices.rerun, choices.mechanism)], mechanism=list(choices.mechanism),
-        n_items=list(picks), items=mine, discardable_bytes=int(cum_b[-1]), hold=hold + casts,
+        n_items=list(picks), items=mine, discardable_bytes=int(cum_b[-1]),
+        hold=hold + r.replay_casts(window, remade_after=end),
         # the replay also works on its own copy of what the call writes outside itself;
-        # its parameter casts are in ``hold`` from the replay on
+        # its parameter casts are in ``hold`` from the replay on (or in the live bytes, re-made there for their use)
         work=[max(0, w + outside - casts) for w in _recompute_extra(stats, m, mine, picks, window)], call=j,
         window=tuple(window), retained=parts,
     )

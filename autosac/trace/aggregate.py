@@ -233,6 +233,7 @@ def _module_stats(step: TracedStep, live: np.ndarray, times: _Times, saved: _Sav
         param_own[ps.module].append(ps)
     kept = _kept_events(rec, saved.ops, saved.groups)
     saved_tensors = _saved_tensors_per_call(rec)
+    recompute_starts = _recompute_starts(rec)
     work, profiles, cache_holds = _recompute_work(rec, kept, times.bw_first)
     modules: dict[str, ModuleStats] = {}
     for fqn, mtype in step.module_types.items():
@@ -276,6 +277,7 @@ def _module_stats(step: TracedStep, live: np.ndarray, times: _Times, saved: _Sav
             cache_holds=sorted([e, b] for e, b in cache_holds.get(fqn, {}).items()),
             tradeoff=curve, tradeoff_exact_points=len(curve),
             saved_tensors=saved_tensors.get(fqn, [0] * len(windows)),
+            recompute_starts=recompute_starts.get(fqn, [-1] * len(windows)),
             routed=any(_has_event_in(rec.routed, w) for w in windows),
         )
     return modules
@@ -294,6 +296,22 @@ def _saved_tensors_per_call(rec) -> dict[str, list[int]]:
             j = bisect.bisect_right(starts.get(fqn, ()), position) - 1
             if j >= 0:
                 out[fqn][j] += 1
+    return out
+
+
+def _recompute_starts(rec) -> dict[str, list[int]]:
+    """Per module, per forward call: the backward event a checkpoint of that
+    call re-runs its forward at -- the first read of a tensor saved inside it
+    (-1: none is read).  Backward ops of the call that read nothing saved (an
+    add's, a cast's) run before it, and what they make is alive meanwhile."""
+    starts = {fqn: [w[0] for w in ws] for fqn, ws in rec.fw_windows.items()}
+    out = {fqn: [-1] * len(ws) for fqn, ws in rec.fw_windows.items()}
+    for event, point in rec.unpacks:  # in event order: the first read of each call's tensors wins
+        position, stack = rec.save_points[point]
+        for fqn in stack:
+            j = bisect.bisect_right(starts.get(fqn, ()), position) - 1
+            if j >= 0 and out[fqn][j] < 0:
+                out[fqn][j] = event
     return out
 
 

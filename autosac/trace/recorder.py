@@ -65,6 +65,16 @@ def _without_graph(t):
         return t.detach()
 
 
+class _Packed:
+    """A tensor saved in the forward and which save it was (``Recording.save_points``):
+    one per save, as a checkpoint's holders are, so each read in the backward is known."""
+
+    __slots__ = ("t", "point")
+
+    def __init__(self, t, point: int) -> None:
+        self.t, self.point = t, point
+
+
 class StepRecorder(TorchDispatchMode):
     """Dispatch mode that fills a :class:`Recording` while one step runs."""
 
@@ -233,8 +243,9 @@ class StepRecorder(TorchDispatchMode):
             self._engine_sums.append((idx, i))
 
     # ------------------------------------------------------ saved tensors
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
+    def pack(self, t: torch.Tensor):
         if self.phase == "forward" and isinstance(t, torch.Tensor):
+            point = len(self.rec.save_points)
             self.rec.save_points.append((len(self.rec.ops), self._stack_t))
             idx = self._by_storage.get(id(t.untyped_storage()))
             if idx is not None:
@@ -243,11 +254,17 @@ class StepRecorder(TorchDispatchMode):
                 rec.saver_stack = stack if rec.saver_stack is None else common_prefix(rec.saver_stack, stack)
                 rec.saver_stacks.add(stack)
                 rec.saved_as_view = rec.saved_as_view or t._is_view()
+            return _Packed(_without_graph(t), point)
         return _without_graph(t)
 
-    @staticmethod
-    def unpack(t: torch.Tensor) -> torch.Tensor:
-        return t
+    def unpack(self, packed):
+        """The saved tensor back; in the backward, when it is first read (a
+        checkpointed region re-runs its forward at its first such read)."""
+        if not isinstance(packed, _Packed):
+            return packed
+        if self.phase == "backward":
+            self.rec.unpacks.append((len(self.rec.ops), packed.point))
+        return packed.t
 
     # ------------------------------------------------------------- ops
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

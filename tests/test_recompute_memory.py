@@ -1,0 +1,67 @@
+"""A checkpointed module's replay, predicted to the byte against a real CPU
+step: where in the backward it runs and what is alive then (found by a
+new-user trial on transformers models, 2026-11-26)."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import autosac
+from autosac.solver import plan_from_decisions
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama(attention_dropout: float):
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   attention_dropout=attention_dropout, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 256, (8, 64))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def test_a_replay_runs_at_its_first_read_of_a_saved_tensor():
+    """Under bf16 autocast the decoder layer's last op adds its float32
+    residual to a bf16 result; that add's backward casts the gradient to bf16
+    (8 KiB a sample) and reads nothing saved, so it runs before the layer's
+    replay, and its gradient is alive all through it.  Predicted as if the
+    replay ran at the layer's first backward op, the last layer's plan measured
+    65,536 B over its prediction, and over its least budget with LoRA.  The
+    parameter casts the unmodified step re-makes by then are counted once
+    (the attention alone: its output projection's)."""
+    model, inputs = _llama(attention_dropout=0.1)
+    loss_fn = lambda out: out.loss  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stats = autosac.profile(model, inputs, loss_fn=loss_fn, target="cpu", autocast=torch.bfloat16)
+        for fqn in ("model.layers.1", "model.layers.1.self_attn"):
+            plan = plan_from_decisions(stats, {fqn: 1.0})
+            planned = autosac.apply(copy.deepcopy(model), plan)
+            real = autosac.measure(planned, inputs, loss_fn=loss_fn, steps=0, autocast=torch.bfloat16)
+            assert real.peak_bytes == plan.predicted_peak_bytes, fqn
+
+
+def test_saved_tensors_the_forward_already_dropped_are_not_counted_as_freed():
+    """RWKV's attention (CPU path) loops over time; its last state update
+    makes three [batch, hidden] tensors that autograd saves, and the forward
+    drops them with the final state (no cache in training).  Checkpointing the
+    module frees nothing of them, yet they were counted as discarded: the plan
+    measured 3 x batch x hidden x 4 B over its prediction at the loss."""
+    cfg = transformers.RwkvConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, attention_hidden_size=64,
+                                  intermediate_size=128, context_length=128, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.RwkvForCausalLM(cfg)
+    ids = torch.randint(0, 256, (8, 64))
+    inputs = {"input_ids": ids, "labels": ids}
+    loss_fn = lambda out: out.loss  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stats = autosac.profile(model, inputs, loss_fn=loss_fn, target="cpu")
+        plan = plan_from_decisions(stats, {"rwkv.blocks.0.attention": 1.0})
+        planned = autosac.apply(copy.deepcopy(model), plan)
+        real = autosac.measure(planned, inputs, loss_fn=loss_fn, steps=0)
+    assert real.peak_bytes == plan.predicted_peak_bytes
