@@ -137,18 +137,57 @@ def test_hf_trainer_steps_run_the_shapes_the_plan_was_made_for(tmp_path):
 
 
 def test_hf_trainer_gradient_checkpointing_is_replaced_in_one_line(tmp_path):
+    from autosac.applier import applied_plan
     from autosac.trainers.hf import AutosacCallback
 
     callback = AutosacCallback("least")
     model = tiny_llama()
-    with pytest.warns(UserWarning, match="turned transformers' gradient checkpointing off"):
-        trainer = transformers.Trainer(
-            model=model, train_dataset=TokenDataset(), callbacks=[callback],
-            args=transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=8,
-                                                report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
-                                                gradient_checkpointing=True))
-        trainer.train()
+
+    def train():
+        with pytest.warns(UserWarning, match="turned transformers' gradient checkpointing off"):
+            transformers.Trainer(
+                model=model, train_dataset=TokenDataset(), callbacks=[callback],
+                args=transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1,
+                                                    per_device_train_batch_size=8, report_to=[], use_cpu=True,
+                                                    save_strategy="no", disable_tqdm=True,
+                                                    gradient_checkpointing=True)).train()
+
+    train()
     assert callback.plan.decisions and not model.is_gradient_checkpointing
+    train()  # again, checkpointing asked for: the plan stays, transformers' checkpointing does not nest in it
+    assert not model.is_gradient_checkpointing and applied_plan(model) is not None
+
+
+@pytest.mark.parametrize("where", ["loader", "sampler"])
+def test_the_example_batch_leaves_a_loaders_own_generator_as_it_was(where):
+    """A DataLoader shuffling with its own generator (or its sampler's) draws
+    the same batches after autosac took its example batch (found by a trial:
+    the Lightning callback changed the first epoch's order)."""
+    from autosac.trainers.common import first_batch
+
+    def loader():
+        g = torch.Generator().manual_seed(1)
+        if where == "loader":
+            return torch.utils.data.DataLoader(list(range(32)), batch_size=4, shuffle=True, generator=g)
+        return torch.utils.data.DataLoader(list(range(32)), batch_size=4,
+                                           sampler=torch.utils.data.RandomSampler(range(32), generator=g))
+
+    expected = [b.tolist() for b in loader()]
+    got = loader()
+    assert first_batch(got).tolist() == expected[0]
+    assert [b.tolist() for b in got] == expected
+
+
+def test_hf_trainer_example_inputs_not_a_dict_is_one_line(tmp_path):
+    from autosac.trainers.hf import AutosacCallback
+
+    trainer = transformers.Trainer(
+        model=tiny_llama(), train_dataset=TokenDataset(),
+        callbacks=[AutosacCallback("60%", example_inputs=torch.zeros(8, 16, dtype=torch.long))],
+        args=transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=8,
+                                            report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True))
+    with pytest.raises(ValueError, match="dict of the model's keyword inputs"):
+        trainer.train()
 
 
 def test_hf_trainer_infeasible_budget_stops_before_the_first_step(tmp_path):
@@ -266,6 +305,9 @@ def test_lightning_step_without_batch_idx_and_a_second_fit_run_through_the_plan(
 
     run_lightning(module, callbacks=[callback, Check()], steps=1)  # the same module fitted again
     assert routed == [True] and "training_step" not in module.__dict__
+    other = lightning_module(copy.deepcopy(base), batch_idx=False)  # the callback reused for another module:
+    with pytest.raises(ValueError, match="another LightningModule"):  # it ran the first module's step, silently
+        run_lightning(other, callbacks=[callback], steps=1)
 
 
 def test_lightning_manual_optimization_is_refused_in_one_line():

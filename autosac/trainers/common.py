@@ -130,6 +130,8 @@ def first_batch(dataloader):
         raise ValueError("autosac needs the trainer's training dataloader for its example batch: pass "
                          "example_inputs= instead")
     plain = getattr(dataloader, "base_dataloader", dataloader)
+    own = _loader_generators(plain)  # a loader's or sampler's own generator advances as it is iterated
+    states = [g.get_state() for g in own]
     with generators_kept():
         it = iter(plain)
         try:
@@ -138,7 +140,21 @@ def first_batch(dataloader):
             raise ValueError("the training dataloader is empty: autosac has no batch to plan for") from None
         finally:
             del it
+            for g, state in zip(own, states):
+                g.set_state(state)
     return batch
+
+
+def _loader_generators(loader) -> list[torch.Generator]:
+    """The generators a ``DataLoader`` draws from besides the global ones: its
+    own ``generator=`` and its sampler's and batch sampler's (each once)."""
+    found: dict[int, torch.Generator] = {}
+    for obj in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
+                getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        g = getattr(obj, "generator", None)
+        if isinstance(g, torch.Generator):
+            found.setdefault(id(g), g)
+    return list(found.values())
 
 
 def refuse_processes(processes: int, trainer: str) -> None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from collections.abc import Mapping
 
 import torch
 
@@ -120,13 +121,16 @@ class AutosacCallback(TrainerCallback):
         self.plan = None
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):
+        said = turn_off_transformers_checkpointing(model)  # also on a model planned before: never both
+        if said:
+            warnings.warn(said, stacklevel=2)
         if applied_plan(model) is not None:  # train() called again on the same model: the plan is in place
             return
         refuse_processes(args.world_size, "Trainer")
-        said = turn_off_transformers_checkpointing(model)
-        if said:
-            warnings.warn(said, stacklevel=2)
         batch = self.example_inputs if self.example_inputs is not None else first_batch(train_dataloader)
+        if not isinstance(batch, Mapping):
+            raise ValueError("the Trainer callback's example_inputs is a dict of the model's keyword inputs, as the "
+                             f"Trainer's batches are (e.g. {{'input_ids': ...}}), not a {type(batch).__name__}")
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in dict(batch).items()}
         if "labels" in batch and "num_items_in_batch" not in batch and _takes_loss_kwargs(model):

@@ -142,7 +142,10 @@ class AutosacCallback(Callback):
         self._step = None
 
     def on_train_start(self, trainer, pl_module) -> None:
-        if self.plan is not None:  # a later fit of the same module: the plan is in place, route the step again
+        if self.plan is not None:  # a later fit: the plan is in place if it is the same module
+            if self.root.module is not pl_module:
+                raise ValueError("this AutosacCallback planned another LightningModule: "
+                                 "give each module its own AutosacCallback")
             self._route(pl_module)
             return
         refuse_processes(trainer.world_size, "Lightning")
