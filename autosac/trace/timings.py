@@ -45,6 +45,7 @@ from autosac.core.noise import NOISY_LIFETIME_S, remeasure_requested
 # roofline, a timing another process's time slice fell into is milliseconds
 OUTLIER_FACTOR = 50.0
 OUTLIER_FLOOR_MS = 0.01
+CONFIRM_RATIO = 1.5  # an outlier timed again within this factor of the first timing is the op's own time
 CHECKED = "#checked"  # suffix of the mark of a timing that was timed again (not checked twice)
 NOISY = "#noisy_until"  # suffix of the mark of a noisy timing: when it expires (epoch seconds; 0: clean)
 
@@ -120,16 +121,20 @@ class TimingCache:
     def timed(self, key: str, time_op, expected_ms: float) -> float:
         """The timing of ``key``: the cached one, or ``time_op()`` -> (ms,
         noisy) measured now and kept (:meth:`put`).  A cached timing that
-        :func:`is_outlier` flags is timed again, once: the lesser is kept
-        (noise only adds time), and marked checked where the new timing was
-        clean."""
+        :func:`is_outlier` flags is timed again: the lesser is kept (noise
+        only adds time), and marked checked -- never timed again -- where the
+        new timing was clean and within :data:`CONFIRM_RATIO` of the cached
+        one (an op slower than its roofline times alike twice; two timings
+        inflated by other processes seldom agree, and are timed again at the
+        next use)."""
         ms = self.get(key)
         if ms is not None and (self.get(key + CHECKED) or not is_outlier(ms, expected_ms)):
             return ms
         fresh, noisy = time_op()
         if ms is not None:
+            agree = max(ms, fresh) <= CONFIRM_RATIO * min(ms, fresh)
             fresh = min(ms, fresh)
-            if not noisy:
+            if not noisy and agree:
                 self.put(key + CHECKED, 1.0)
         self.put(key, fresh, bool(noisy))
         return fresh
