@@ -95,7 +95,7 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     if found != plan.fingerprint:
         raise PlanMismatchError(
             f"the plan was made for {plan.model} ({plan.fingerprint}) but this {type(model).__name__} is "
-            f"({found}): module tree or parameter shapes differ -- re-plan for this model"
+            f"({found}): module tree, parameter shapes or dtypes differ -- re-plan for this model"
         )
     try:
         policies = {fqn: RegionPolicy.from_decision(plan.details[fqn]) for fqn in modules}

@@ -59,7 +59,8 @@ def parse_budget(budget: str | int | float, baseline_peak_bytes: int, what: str 
             raise ValueError(f"{what} {budget!r} is not positive: use {ACCEPTED}")
         m = _PATTERN.match(budget)
         if not m or m.group(2).lower() not in (*_UNITS, "%"):
-            raise ValueError(f"cannot parse {what} {budget!r}: use {ACCEPTED}")
+            accepted = ACCEPTED if what == "budget" else ACCEPTED.replace(', "least" (the least feasible)', "")
+            raise ValueError(f"cannot parse {what} {budget!r}: use {accepted}")
         number, unit = float(m.group(1)), m.group(2).lower()
         if unit == "" and not number.is_integer():  # a string without a unit is bytes: whole ones
             raise ValueError(f"{what} {budget!r} has no unit (a bare number is bytes): write '{m.group(1)}GiB', "
