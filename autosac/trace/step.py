@@ -231,7 +231,7 @@ def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autoc
     if compiled is None:  # compiled code runs no module hooks
         for mod in model.modules():
             fqn = names[id(mod)]
-            hooks.append(mod.register_forward_pre_hook(_pre_hook(recorder, fqn), with_kwargs=True))
+            hooks.append(_mark_entry(mod, _pre_hook(recorder, fqn)))
             hooks.append(mod.register_forward_hook(_post_hook(recorder, fqn)))
     try:
         # transformers models run without a cache, as the applied model will run them
@@ -301,6 +301,41 @@ def _backward_and_update(model, loss, opt, recorder: StepRecorder) -> None:
                 model.zero_grad(set_to_none=True)
         except Exception as e:
             raise TraceError(f"the optimizer step raised {type(e).__name__}: {first_line(e)}") from None
+
+
+def _mark_entry(mod: nn.Module, hook):
+    """Run ``hook(module, args, kwargs)`` where the module's forward starts,
+    as the applier's checkpoint does: a forward pre-hook, except where the
+    module has full backward hooks -- PyTorch then runs their input op
+    (``BackwardHookFunction``) after the pre-hooks, outside the forward the
+    applier wraps, so the hook wraps the forward itself.  Returns a handle
+    whose ``remove()`` undoes it."""
+    full, _ = mod._get_backward_hooks()
+    if not (full or mod._get_backward_pre_hooks()):
+        return mod.register_forward_pre_hook(hook, with_kwargs=True)
+    return _ForwardMark(mod, hook)
+
+
+class _ForwardMark:
+    """``hook`` called at the start of ``mod.forward`` while set (see :func:`_mark_entry`)."""
+
+    def __init__(self, mod: nn.Module, hook) -> None:
+        self.mod, self.own = mod, mod.__dict__.get("forward")  # a forward set on the instance, if any
+        inner = mod.forward
+
+        def forward(*args, **kwargs):
+            hook(mod, args, kwargs)
+            return inner(*args, **kwargs)
+
+        self.forward = forward
+        mod.forward = forward
+
+    def remove(self) -> None:
+        if self.mod.__dict__.get("forward") is self.forward:
+            if self.own is None:
+                del self.mod.__dict__["forward"]
+            else:
+                self.mod.forward = self.own
 
 
 def _pre_hook(recorder: StepRecorder, fqn: str):
