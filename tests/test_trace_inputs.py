@@ -119,7 +119,7 @@ def test_layerdrop_is_one_line_and_a_plan_made_without_it_holds_with_it():
     step bitwise and within budget when layers are skipped."""
     build = _speech_ctc("wav2vec2", layerdrop=0.5)
     model, inputs = build()
-    with pytest.raises(TraceError, match=r"random draw .*config.layerdrop=0.0") as caught:
+    with pytest.raises(TraceError, match=r"drawn at random .*config.layerdrop=0.0") as caught:
         autosac.profile(model, inputs, loss_fn=lambda out: out.loss, target="cpu")
     assert "\n" not in str(caught.value)
     plan = autosac.solve(_speech_ctc("wav2vec2")()[0], "least", example_inputs=inputs, loss_fn=lambda out: out.loss,
@@ -171,3 +171,13 @@ def test_sizes_read_off_unknown_values_stay_a_clear_error(model):
     line, as before."""
     with pytest.raises(TraceError, match="branches on tensor values"):
         autosac.profile(model, (torch.randn(512, 64),), target="cpu")
+
+
+def test_batch_norm_with_a_cumulative_average_is_one_line_naming_the_fix():
+    """``momentum=None`` reads the call count with ``float()``: the trace
+    names the module and the setting to plan with, not "your branch"."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8, momentum=None))
+    with pytest.raises(TraceError, match=r"module '1' \(BatchNorm1d\) has momentum=None .* plan with a momentum set") \
+            as caught:
+        autosac.profile(model, torch.randn(16, 8), target="cpu")
+    assert "\n" not in str(caught.value)

@@ -38,9 +38,16 @@ def run_forward(model: nn.Module, args: tuple, kwargs: dict, recorder: StepRecor
         mod = model.get_submodule(where) if where else model
         if recorder.random_branch:
             raise ValueBranchError(
-                f"forward of module '{name}' ({type(mod).__name__}) branches on a random draw ({e}), as LayerDrop "
-                "skips layers by chance, which a trace cannot follow: plan with it off (transformers: "
-                "config.layerdrop=0.0) and train with it on: a step that skips layers does less than the plan's"
+                f"forward of module '{name}' ({type(mod).__name__}) branches on values drawn at random ({e}): "
+                "LayerDrop (skips layers by chance: plan with it off, transformers config.layerdrop=0.0, and train "
+                "with it on), or a check of activations after dropout (an isfinite or overflow clamp, as DETR's), "
+                "which a fake trace cannot see: plan with that dropout at 0, or make the branch depend on shapes only"
+            ) from None
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.momentum is None:
+            raise ValueBranchError(
+                f"module '{name}' ({type(mod).__name__}) has momentum=None (a cumulative average), which reads its "
+                "call count as a Python number that a fake trace does not have: plan with a momentum set (e.g. 0.1; "
+                "the step's memory is the same) and train with None"
             ) from None
         if type(e).__name__ in ("DataDependentOutputException", "DynamicOutputShapeException"):
             raise ValueBranchError(
