@@ -346,8 +346,15 @@ def _plan_parser(sub) -> None:
     p.set_defaults(func=cmd_plan)
 
 
+class _Parser(argparse.ArgumentParser):
+    """A mistake in the options is one line on stderr (exit 2), as every other mistake is, not the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="autosac", description="Fit a PyTorch training step into a memory budget.")
+    parser = _Parser(prog="autosac", description="Fit a PyTorch training step into a memory budget.")
     sub = parser.add_subparsers(dest="command", required=True)
     _plan_parser(sub)
     s = sub.add_parser("sweep", help="plan for several budgets from one profile")
