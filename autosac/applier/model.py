@@ -23,7 +23,7 @@ import weakref
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from autosac.applier.casts import pack_cast, unpack_cast
 from autosac.applier.partitioner import require as require_partitioner
@@ -271,8 +271,10 @@ def _checkpointed_forward(self, own, policy, *args, **kwargs):
     call = policy.start(self, args, kwargs)
     # keyword arguments are bound by the wrapper, never passed to checkpoint,
     # so a forward's own ``context_fn=`` or ``debug=`` cannot clash with checkpoint's
-    out = checkpoint(call.wrap(original, args, kwargs), *args, use_reentrant=False, preserve_rng_state=True,
-                     context_fn=call.contexts)
+    # early stop on, as the plan's memory counts the replay (a user's set_checkpoint_early_stop(False) aside)
+    with set_checkpoint_early_stop(True):
+        out = checkpoint(call.wrap(original, args, kwargs), *args, use_reentrant=False, preserve_rng_state=True,
+                         context_fn=call.contexts)
     call.finish()
     return out
 

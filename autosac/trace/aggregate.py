@@ -299,6 +299,20 @@ def _saved_tensors_per_call(rec) -> dict[str, list[int]]:
     return out
 
 
+def _replay_stops(rec, fqn: str, windows: list) -> list[int]:
+    """Per forward call of ``fqn`` (``windows``), the event its replay stops
+    before: the one after its last saved tensor (an op's inputs are saved
+    before it runs, its outputs after); the call's start where it saved none."""
+    stops = [w[0] for w in windows]
+    starts = stops[:]
+    for position, stack in rec.save_points:
+        if fqn in stack:
+            j = bisect.bisect_right(starts, position) - 1
+            if j >= 0:
+                stops[j] = max(stops[j], min(position, windows[j][1]))
+    return stops
+
+
 def _recompute_starts(rec) -> dict[str, list[int]]:
     """Per module, per forward call: the backward event a checkpoint of that
     call re-runs its forward at -- the first read of a tensor saved inside it
@@ -379,8 +393,13 @@ def _recompute_work(rec, kept: dict[str, set[int]], bw_first: dict[str, int]):
 
     A number autograd keeps (``x * 0.5``: made by no op, ``producer`` -1) is
     made and kept again by the replay's own graph, kept or re-run op alike,
-    until the replay ends."""
-    windows = {fqn: [tuple(w) for w in ws] for fqn, ws in rec.fw_windows.items()}
+    until the replay ends.
+
+    The replay ends where the forward saved its last tensor: PyTorch's
+    checkpoint stops re-running once every saved tensor is made again (its
+    early stop, which the applier keeps on), so nothing after it is made."""
+    windows = {fqn: [(w[0], stop) for w, stop in zip(ws, _replay_stops(rec, fqn, ws))]
+               for fqn, ws in rec.fw_windows.items()}
     deltas: dict[str, list[tuple[int, int]]] = defaultdict(list)
     holds: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
     for r in rec.storages:
@@ -406,7 +425,8 @@ def _recompute_work(rec, kept: dict[str, set[int]], bw_first: dict[str, int]):
     for ev, scratch in rec.transient.items():
         if rec.phases[ev] == "forward":
             for fqn in rec.stacks[ev]:
-                deltas[fqn] += [(ev, scratch), (ev + 1, -scratch)]
+                if any(start <= ev < end for start, end in windows.get(fqn, ())):
+                    deltas[fqn] += [(ev, scratch), (ev + 1, -scratch)]
     peaks, profiles = {}, {}
     for fqn, items in deltas.items():
         items.sort(key=lambda x: (x[0], x[1]))  # frees before allocations at the same event
