@@ -17,10 +17,12 @@ and the model's hooks are :class:`_Hook` objects that pickle by name.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 
 import torch
+import torch.utils.checkpoint as _checkpoint_module
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
@@ -271,8 +273,11 @@ def _checkpointed_forward(self, own, policy, *args, **kwargs):
     call = policy.start(self, args, kwargs)
     # keyword arguments are bound by the wrapper, never passed to checkpoint,
     # so a forward's own ``context_fn=`` or ``debug=`` cannot clash with checkpoint's
-    # early stop on, as the plan's memory counts the replay (a user's set_checkpoint_early_stop(False) aside)
-    with set_checkpoint_early_stop(True):
+    # early stop on (checkpoint's default), as the plan's memory counts the replay; only where the user turned
+    # it off process-wide is that setting overridden, for this call (it changes no result)
+    early = set_checkpoint_early_stop(True) if _checkpoint_module._enable_checkpoint_early_stop is False \
+        else contextlib.nullcontext()
+    with early:
         out = checkpoint(call.wrap(original, args, kwargs), *args, use_reentrant=False, preserve_rng_state=True,
                          context_fn=call.contexts)
     call.finish()

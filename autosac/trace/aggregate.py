@@ -287,15 +287,21 @@ def _has_event_in(events: set[int], window) -> bool:
     return any(window[0] <= e < window[1] for e in events)
 
 
+def _saves(rec):
+    """Each save point as ``(position, module, call)`` for every module on its
+    stack (``call``: which of the module's forward calls saved it, as recorded
+    at the save: position alone cannot tell a call's last output from the next
+    call's first input when the calls run back to back)."""
+    for (position, stack), calls in zip(rec.save_points, rec.save_calls):
+        for fqn, j in zip(stack, calls):
+            yield position, fqn, j
+
+
 def _saved_tensors_per_call(rec) -> dict[str, list[int]]:
     """Per module, per forward call: how many tensors autograd saved inside it."""
-    starts = {fqn: [w[0] for w in ws] for fqn, ws in rec.fw_windows.items()}
     out = {fqn: [0] * len(ws) for fqn, ws in rec.fw_windows.items()}
-    for position, stack in rec.save_points:
-        for fqn in stack:
-            j = bisect.bisect_right(starts.get(fqn, ()), position) - 1
-            if j >= 0:
-                out[fqn][j] += 1
+    for _, fqn, j in _saves(rec):
+        out[fqn][j] += 1
     return out
 
 
@@ -304,12 +310,9 @@ def _replay_stops(rec, fqn: str, windows: list) -> list[int]:
     before: the one after its last saved tensor (an op's inputs are saved
     before it runs, its outputs after); the call's start where it saved none."""
     stops = [w[0] for w in windows]
-    starts = stops[:]
-    for position, stack in rec.save_points:
-        if fqn in stack:
-            j = bisect.bisect_right(starts, position) - 1
-            if j >= 0:
-                stops[j] = max(stops[j], min(position, windows[j][1]))
+    for position, f, j in _saves(rec):
+        if f == fqn:
+            stops[j] = max(stops[j], min(position, windows[j][1]))
     return stops
 
 
@@ -318,13 +321,10 @@ def _recompute_starts(rec) -> dict[str, list[int]]:
     call re-runs its forward at -- the first read of a tensor saved inside it
     (-1: none is read).  Backward ops of the call that read nothing saved (an
     add's, a cast's) run before it, and what they make is alive meanwhile."""
-    starts = {fqn: [w[0] for w in ws] for fqn, ws in rec.fw_windows.items()}
     out = {fqn: [-1] * len(ws) for fqn, ws in rec.fw_windows.items()}
     for event, point in rec.unpacks:  # in event order: the first read of each call's tensors wins
-        position, stack = rec.save_points[point]
-        for fqn in stack:
-            j = bisect.bisect_right(starts.get(fqn, ()), position) - 1
-            if j >= 0 and out[fqn][j] < 0:
+        for fqn, j in zip(rec.save_points[point][1], rec.save_calls[point]):
+            if out[fqn][j] < 0:
                 out[fqn][j] = event
     return out
 
@@ -397,8 +397,11 @@ def _recompute_work(rec, kept: dict[str, set[int]], bw_first: dict[str, int]):
 
     The replay ends where the forward saved its last tensor: PyTorch's
     checkpoint stops re-running once every saved tensor is made again (its
-    early stop, which the applier keeps on), so nothing after it is made."""
-    windows = {fqn: [(w[0], stop) for w, stop in zip(ws, _replay_stops(rec, fqn, ws))]
+    early stop, which the applier keeps on), so nothing after it is made --
+    except in a call that reads routing values, whose ops and saved tensors
+    follow a routing the trace only assumed: its whole forward is counted."""
+    windows = {fqn: [(w[0], stop if not _has_event_in(rec.routed, w) else w[1])
+                     for w, stop in zip(ws, _replay_stops(rec, fqn, ws))]
                for fqn, ws in rec.fw_windows.items()}
     deltas: dict[str, list[tuple[int, int]]] = defaultdict(list)
     holds: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))

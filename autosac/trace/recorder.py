@@ -247,6 +247,9 @@ class StepRecorder(TorchDispatchMode):
         if self.phase == "forward" and isinstance(t, torch.Tensor):
             point = len(self.rec.save_points)
             self.rec.save_points.append((len(self.rec.ops), self._stack_t))
+            # which call of each module on the stack: a call's last output and the next call's first input,
+            # back to back, are saved at one position
+            self.rec.save_calls.append(tuple(len(self.rec.fw_windows[f]) - 1 for f in self._stack_t))
             idx = self._by_storage.get(id(t.untyped_storage()))
             if idx is not None:
                 rec = self.rec.storages[idx]

@@ -71,6 +71,8 @@ class Recording:
     # each tensor autograd saved in the forward: (ops recorded before the save, module stack at the save);
     # an op's inputs are saved before it runs, its outputs after, so the stack tells whose call it was
     save_points: list[tuple[int, Stack]] = field(default_factory=list)
+    # per save point, the call (fw_windows index) of each module of its stack that saved it
+    save_calls: list[tuple[int, ...]] = field(default_factory=list)
     # each read of a saved tensor in the backward: (ops recorded before the read, its save_points index)
     unpacks: list[tuple[int, int]] = field(default_factory=list)
     # forward events that read a tensor derived from an MoE routing decision (or make one:
