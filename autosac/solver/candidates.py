@@ -450,7 +450,11 @@ def _call_candidate(r: Reading, fqn: str, m, choices: _Choices, j: int, window, 
     hold = retained + stats.checkpoint_state_bytes + outside
     # what the cache holds for kept ops is not saved either (conservatively
     # over the whole interval: it is held from its consumers' backward on)
-    net = [int(cum_b[k - 1]) - hold - _cache_held(m, stats, mine, k, window)[0] for k in picks]
+    # saved ops the forward itself drops (see _discard_bytes) that a choice keeps: the cache holds them to the replay
+    dead = np.cumsum([0] + [sum(stats.saved_ops[i].bytes - _discard_bytes(stats.saved_ops[i], window) for i in it)
+                            for it in mine])
+    net = [int(cum_b[k - 1]) - hold - _cache_held(m, stats, mine, k, window)[0] - int(dead[-1] - dead[k])
+           for k in picks]
     casts = r.replay_casts(window)
     end = _recompute_start(m, j, span)
     return Candidate(

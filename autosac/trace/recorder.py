@@ -65,6 +65,31 @@ def _without_graph(t):
         return t.detach()
 
 
+def _geometry(t: torch.Tensor) -> tuple:
+    return id(t.untyped_storage()), tuple(t.shape), t.stride(), t.storage_offset()
+
+
+def _view_written(func, args, kwargs) -> tuple | None:
+    """The geometry of the one view an in-place op writes, under grad mode;
+    else None.  Autograd then rebuilds that view's ``grad_fn`` at once, and for
+    a fake tensor (a tensor subclass: no ``as_strided``) it does so by running
+    the view op again -- ``out[:, t] = x`` dispatches ``select`` a second time
+    under the trace, once for real."""
+    if not torch.is_grad_enabled():
+        return None
+    written = [t for t in written_tensors(func, args, kwargs) if isinstance(t, torch.Tensor)]
+    if len(written) != 1 or not written[0]._is_view():
+        return None
+    return _geometry(written[0])
+
+
+def _rebuilds(func, ran, geometry: tuple) -> bool:
+    """Whether ``func`` (the op right after an in-place write into a view) is
+    autograd re-making that view: a view op with exactly its geometry."""
+    outs = tensors_in(ran)
+    return is_view_op(func) and len(outs) == 1 and _geometry(outs[0]) == geometry
+
+
 class _Packed:
     """A tensor saved in the forward and which save it was (``Recording.save_points``):
     one per save, as a checkpoint's holders are, so each read in the backward is known."""
@@ -102,6 +127,7 @@ class StepRecorder(TorchDispatchMode):
         self._twins: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # real tensors of another device -> cpu twin
         self._stale: dict[int, torch.UntypedStorage] = {}  # real storages a fake op wrote (their values unknown)
         self._written_twins: dict[int, torch.Tensor] = {}  # ... the fake tensor the write went to, with their layout
+        self._written_view: tuple | None = None  # an in-place op's written view, until the next op (_view_written)
         self.random_branch = False  # the forward failed reading a value drawn at random (LayerDrop)
 
     # ----------------------------------------------------------- storages
@@ -277,9 +303,13 @@ class StepRecorder(TorchDispatchMode):
         args, kwargs = self._as_traced(args, kwargs)
         if self._pending:
             self._flush_pending()
+        written_view, self._written_view = self._written_view, None
         ran, routed = self._run(func, args, kwargs)
+        if written_view is not None and _rebuilds(func, ran, written_view):
+            return ran  # autograd rebuilding a written view's node: the real step dispatches no op for it
         if writes_input(func) and not is_view_op(func):
             self._note_stale(func, args, kwargs, ran)
+            self._written_view = _view_written(func, args, kwargs)
         out = with_kernel_layout(func, args, ran, kwargs)
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         op = self._op_record(func, args, kwargs, out, outs)
