@@ -443,7 +443,8 @@ def _call_candidate(r: Reading, fqn: str, m, choices: _Choices, j: int, window, 
     """The candidate of the module's ``j``-th call (forward events ``window``,
     backward ``span``), discarding ``mine`` (its first call's items, mapped)."""
     stats, picks = r.stats, choices.picks
-    cum_b = np.cumsum([sum(_discard_bytes(stats.saved_ops[i], window) for i in it) for it in mine])
+    freed = [sum(_discard_bytes(stats.saved_ops[i], window) for i in it) for it in mine]
+    cum_b = np.cumsum(freed)
     retained = m.retained_input_calls[j] if j < len(m.retained_input_calls) else m.retained_input_bytes
     parts = [tuple(x) for x in m.retained_inputs[j]] if j < len(m.retained_inputs) else []
     outside = m.outside_write_calls[j] if j < len(m.outside_write_calls) else m.outside_write_bytes
@@ -451,8 +452,7 @@ def _call_candidate(r: Reading, fqn: str, m, choices: _Choices, j: int, window, 
     # what the cache holds for kept ops is not saved either (conservatively
     # over the whole interval: it is held from its consumers' backward on)
     # saved ops the forward itself drops (see _discard_bytes) that a choice keeps: the cache holds them to the replay
-    dead = np.cumsum([0] + [sum(stats.saved_ops[i].bytes - _discard_bytes(stats.saved_ops[i], window) for i in it)
-                            for it in mine])
+    dead = np.cumsum([0] + [sum(stats.saved_ops[i].bytes for i in it) - f for it, f in zip(mine, freed)])
     net = [int(cum_b[k - 1]) - hold - _cache_held(m, stats, mine, k, window)[0] - int(dead[-1] - dead[k])
            for k in picks]
     casts = r.replay_casts(window)

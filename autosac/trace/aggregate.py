@@ -305,15 +305,14 @@ def _saved_tensors_per_call(rec) -> dict[str, list[int]]:
     return out
 
 
-def _replay_stops(rec, fqn: str, windows: list) -> list[int]:
-    """Per forward call of ``fqn`` (``windows``), the event its replay stops
-    before: the one after its last saved tensor (an op's inputs are saved
-    before it runs, its outputs after); the call's start where it saved none."""
-    stops = [w[0] for w in windows]
-    for position, f, j in _saves(rec):
-        if f == fqn:
-            stops[j] = max(stops[j], min(position, windows[j][1]))
-    return stops
+def _replay_stops(rec) -> dict[str, list[int]]:
+    """Per module, per forward call: the event its replay stops before -- the
+    one after its last saved tensor (an op's inputs are saved before it runs,
+    its outputs after); the call's start where it saved none."""
+    out = {fqn: [w[0] for w in ws] for fqn, ws in rec.fw_windows.items()}
+    for position, fqn, j in _saves(rec):
+        out[fqn][j] = max(out[fqn][j], min(position, rec.fw_windows[fqn][j][1]))
+    return out
 
 
 def _recompute_starts(rec) -> dict[str, list[int]]:
@@ -400,8 +399,8 @@ def _recompute_work(rec, kept: dict[str, set[int]], bw_first: dict[str, int]):
     early stop, which the applier keeps on), so nothing after it is made --
     except in a call that reads routing values, whose ops and saved tensors
     follow a routing the trace only assumed: its whole forward is counted."""
-    windows = {fqn: [(w[0], stop if not _has_event_in(rec.routed, w) else w[1])
-                     for w, stop in zip(ws, _replay_stops(rec, fqn, ws))]
+    stops = _replay_stops(rec)
+    windows = {fqn: [(w[0], stop if not _has_event_in(rec.routed, w) else w[1]) for w, stop in zip(ws, stops[fqn])]
                for fqn, ws in rec.fw_windows.items()}
     deltas: dict[str, list[tuple[int, int]]] = defaultdict(list)
     holds: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
