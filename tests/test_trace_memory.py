@@ -289,3 +289,85 @@ def test_reduced_loss_keeps_the_unreduced_storage(loss):
     stats = autosac.profile(model, x, loss_fn=loss_fn, optimizer="sgd", target="cpu")
     measured = autosac.measure(model, x, loss_fn=loss_fn, optimizer="sgd", steps=0).peak_bytes
     assert stats.peak_bytes == measured
+
+
+
+def test_a_full_reduction_on_two_threads_is_counted_with_its_partial_results():
+    """With more than one torch thread a CPU reduction to one number over at
+    least ATen's grain of elements keeps its threads' partial results in a
+    buffer while it combines them (8 B for a float32 ``sum`` on two threads):
+    here the loss's reduction is the step's peak, and it read 8 B over (as
+    ``"least"`` did in ``autosac verify`` at the default thread count)."""
+    torch.manual_seed(0)
+    model, x, scale = nn.Linear(16, 1024, bias=False), torch.randn(64, 16), torch.randn(64, 1024)
+    loss_fn = lambda out: (out * scale).sum()  # noqa: E731
+    kw = dict(loss_fn=loss_fn, optimizer="none", output_held=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        stats = autosac.profile(model, x, target="cpu", **kw)
+        measured = autosac.measure(model, x, steps=0, **kw).peak_bytes
+    finally:
+        torch.set_num_threads(threads)
+    assert (stats.peak_phase, stats.timeline.ops[stats.peak_event]) == ("loss", "sum")
+    assert stats.peak_bytes == measured
+
+
+class TiedHead(nn.Module):
+    """An embedding whose weight is also the output projection (GPT-2, most LMs)."""
+
+    def __init__(self, vocab=50000, d=64):
+        super().__init__()
+        self.emb, self.ln = nn.Embedding(vocab, d), nn.LayerNorm(d)
+
+    def forward(self, ids):
+        return nn.functional.linear(self.ln(self.emb(ids)), self.emb.weight)
+
+
+def test_a_tied_weight_s_two_gradients_are_summed_out_of_place():
+    """The engine sums a weight's two gradients in place only into a first one
+    it holds the last reference to; the projection's weight gradient is a view
+    (``mm``'s result transposed twice), which keeps its base: the sum is a new
+    tensor, alive beside both.  Counted as in place, the step was predicted one
+    vocabulary-sized gradient short (12.8 MB of 67.2 here; the built-in gpt2's
+    least plan read 241,264 B over its budget)."""
+    torch.manual_seed(0)
+    model, ids = TiedHead(), torch.randint(0, 50000, (2, 8))
+    kw = dict(loss_fn=lambda out: out.pow(2).mean(), optimizer="sgd")
+    stats = autosac.profile(model, ids, target="cpu", **kw)
+    assert stats.peak_bytes == autosac.measure(model, ids, steps=0, **kw).peak_bytes
+
+
+
+_IDX = torch.randint(0, 256, (64, 256), generator=torch.Generator().manual_seed(0))
+BACKWARD_FORMULAS = {
+    # amax's backward multiplies by a boolean mask and sums it into int64: the CPU kernels copy it to each dtype
+    "amax": lambda h: h.amax(-1, keepdim=True) * h,
+    "mask": lambda h: h * (h > 0),
+    # these backwards scatter the gradient into zeros: in place on real tensors, out of place on fakes
+    "gather": lambda h: h.gather(-1, _IDX),
+    "sort": lambda h: h.sort(-1).values,
+    "topk": lambda h: h.topk(8, -1).values.repeat(1, 32),
+}
+
+
+class _Between(nn.Module):
+    def __init__(self, op):
+        super().__init__()
+        self.a, self.b, self.op = nn.Linear(16, 256), nn.Linear(256, 8), op
+
+    def forward(self, x):
+        return self.b(self.op(torch.tanh(self.a(x))))
+
+
+@pytest.mark.parametrize("op", sorted(BACKWARD_FORMULAS))
+def test_backward_formulas_that_differ_on_fake_tensors_match_the_measured_peak(op):
+    """The fake trace runs what autograd runs for a tensor subclass; the real
+    CPU step runs kernels that copy their inputs to another dtype (a float
+    times a boolean mask, the mask's sum into int64) and fill zeros in place
+    where the trace's formula writes a new tensor.  amax's plan read 17,152 B
+    over, gather's and sort's 63,520 B under, before each was counted as run."""
+    torch.manual_seed(0)
+    model, x = _Between(BACKWARD_FORMULAS[op]), torch.randn(64, 16)
+    stats = autosac.profile(model, x, optimizer="sgd", target="cpu")
+    assert stats.peak_bytes == autosac.measure(model, x, optimizer="sgd", steps=0).peak_bytes

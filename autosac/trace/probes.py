@@ -39,24 +39,52 @@ PROBE_SCRATCH_OPS = frozenset({
 _HALF_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
 
 
-def needs_probe(func, args, device_type: str = "cpu") -> bool:
+# ATen's grain size: a CPU reduction over fewer elements runs on one thread
+_PARALLEL_GRAIN = 32768
+
+
+def needs_probe(func, args, device_type: str = "cpu", outs=()) -> bool:
     """Whether the kernel's internal working memory is measured by a probe.
 
-    On a CPU, a pointwise op whose tensor inputs differ in floating dtype
-    (autocast's bfloat16 output added to a float32 residual) first copies the
-    narrower ones to the common dtype, inside the call (TensorIterator
-    promotes CPU inputs; CUDA kernels cast as they load).  And on a CPU any
+    On a CPU, a pointwise op whose tensor inputs differ in dtype (autocast's
+    bfloat16 output added to a float32 residual, a float times a boolean
+    mask) first copies the narrower ones to the common dtype, inside the call
+    (TensorIterator promotes CPU inputs; CUDA kernels cast as they load); a
+    reduction into another dtype (a mask's ``sum`` into int64) copies its
+    input to it.  And on a CPU any
     other op that is not pointwise and reads half precision: its kernel may
     work in float32 on the side (``gather`` of bfloat16 with an expanded index
-    peaks at 3x its result)."""
+    peaks at 3x its result).  And on a CPU running more than one torch thread,
+    a reduction to one number over at least ATen's grain of elements (the
+    loss's ``sum``): its threads' partial results sit in a buffer while they
+    are combined (8 B for a float32 ``sum`` at 2 threads, ``amax`` alike,
+    ``max`` not)."""
     name = func.overloadpacket.__name__
+    if device_type == "cpu" and (_parallel_full_reduction(func, args, outs) or _casting_reduction(func, args, outs)):
+        return True
     if name in PROBE_SCRATCH_OPS or name == "mkldnn_rnn_layer_backward":
         return True
-    if device_type == "cpu" and torch.Tag.pointwise in func.tags and _mixed_floats(args):
+    if device_type == "cpu" and torch.Tag.pointwise in func.tags and _mixed_dtypes(args):
         return True
     if device_type == "cpu" and torch.Tag.pointwise not in func.tags and not is_view_op(func) and _half(args):
         return True
     return name in _HALF_MATMULS and _half(args)
+
+
+def _parallel_full_reduction(func, args, outs) -> bool:
+    if torch.get_num_threads() < 2 or torch.Tag.reduction not in func.tags:
+        return False
+    if not outs or any(not isinstance(o, torch.Tensor) or o.numel() != 1 for o in outs):
+        return False
+    return any(isinstance(a, torch.Tensor) and a.numel() >= _PARALLEL_GRAIN for a in tree_leaves(args))
+
+
+def _casting_reduction(func, args, outs) -> bool:
+    """A reduction into another dtype than its input's (a boolean mask's
+    ``sum`` into int64: the CPU kernel first copies the input to it)."""
+    if torch.Tag.reduction not in func.tags or not outs or not isinstance(outs[0], torch.Tensor):
+        return False
+    return any(isinstance(a, torch.Tensor) and a.dim() and a.dtype != outs[0].dtype for a in tree_leaves(args))
 
 
 def _half(args) -> bool:
@@ -64,9 +92,9 @@ def _half(args) -> bool:
     return any(isinstance(a, torch.Tensor) and a.dtype in (torch.bfloat16, torch.float16) for a in tree_leaves(args))
 
 
-def _mixed_floats(args) -> bool:
-    """Whether the op's tensor arguments (not 0-dim ones) hold more than one floating dtype."""
-    dtypes = {a.dtype for a in tree_leaves(args) if isinstance(a, torch.Tensor) and a.dim() and a.is_floating_point()}
+def _mixed_dtypes(args) -> bool:
+    """Whether the op's tensor arguments (not 0-dim ones) hold more than one dtype."""
+    dtypes = {a.dtype for a in tree_leaves(args) if isinstance(a, torch.Tensor) and a.dim()}
     return len(dtypes) > 1
 
 
@@ -108,7 +136,10 @@ def _probe(func, args: tuple, kwargs: tuple) -> tuple[int, ...] | None:
 
 
 @lru_cache(maxsize=512)
-def _probe_scratch(func, args: tuple, kwargs: tuple) -> int | None:
+def _probe_scratch(func, args: tuple, kwargs: tuple, threads: int) -> int | None:
+    """The kernel's peak above what it returns, on zeros (``threads``: the torch
+    thread count it ran at, part of the cache key: a parallel kernel's buffers
+    depend on it)."""
     try:
         with unset_fake_temporarily(), torch.random.fork_rng(devices=[]):  # never advance the real RNG
             real_args = [_real(a) for a in args]
@@ -164,7 +195,8 @@ def probed_scratch_bytes(func, args, kwargs, default: int, outs=()) -> int:
             peak, made = probed
             fake_made = sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in outs}.values())
             return max(0, peak - made) + max(0, made - fake_made)
-        found = _probe_scratch(func, _spec(tuple(args)), tuple(sorted((k, _spec(v)) for k, v in kwargs.items())))
+        found = _probe_scratch(func, _spec(tuple(args)), tuple(sorted((k, _spec(v)) for k, v in kwargs.items())),
+                               torch.get_num_threads())
     except TypeError:
         return default
     return default if found is None else found

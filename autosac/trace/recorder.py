@@ -118,7 +118,7 @@ class StepRecorder(TorchDispatchMode):
         self._pending: list[tuple[weakref.ref, Stack, int, int]] = []  # (output, stack, event, its version then)
         self._nodes = NodeOrigins()  # the forward's autograd nodes -> the stack and event that made them
         self._flow = DataflowTracker()
-        self._engine_sums: list[tuple[int, int]] = []  # (event, storage of the first gradient)
+        self._engine_sums: list[tuple[int, int]] = []  # (event, storage it may have written in place)
         self._number_args: dict[int, int] = {}  # forward events with a number in a Tensor argument -> in-place bytes
         self.device_type = "cpu"  # the device the traced step's tensors are on
         self.fake_mode = None  # the trace's FakeTensorMode (writes into the model's real tensors go to fakes)
@@ -264,8 +264,27 @@ class StepRecorder(TorchDispatchMode):
             return
         if not old.is_contiguous() or old.untyped_storage().nbytes() != old.numel() * old.element_size():
             return
+        if old._is_view():  # a view made in the backward keeps its base: its storage has two holders
+            return
         i = self.index_of(old)
         if i is not None and self.rec.storages[i].kind == "temp":
+            self._engine_sums.append((idx, i))
+
+    def _note_functional_fill(self, func, args, outs, idx: int) -> None:
+        """Derivative formulas that fill zeros (``gather``'s backward scatters
+        the gradient into them) write in place on plain tensors and out of
+        place on tensor subclasses, fakes included: an out-of-place op with an
+        in-place twin, on zeros the backward just made, is settled in
+        :meth:`finish` as in place when those zeros die with it."""
+        if not args or not isinstance(args[0], torch.Tensor) or len(outs) != 1 or torch.is_grad_enabled():
+            return
+        if func._schema.is_mutable or not hasattr(torch.ops.aten, func.overloadpacket.__name__ + "_"):
+            return
+        i = self.index_of(args[0])
+        if i is None or not _same_layout(args[0], outs[0]):
+            return
+        r = self.rec.storages[i]
+        if r.kind == "temp" and 0 <= r.producer < idx and self.rec.ops[r.producer] in _ZERO_FILLS:
             self._engine_sums.append((idx, i))
 
     # ------------------------------------------------------ saved tensors
@@ -319,6 +338,7 @@ class StepRecorder(TorchDispatchMode):
         self._note_scratch(func, args, kwargs, idx, op.flops, outs)
         if op.phase == "backward":
             self._note_engine_sum(func, args, kwargs, idx)
+            self._note_functional_fill(func, args, outs, idx)
         elif op.phase == "forward":
             deps = self._flow.reads(args, kwargs)
             if deps:
@@ -376,7 +396,7 @@ class StepRecorder(TorchDispatchMode):
     def _note_scratch(self, func, args, kwargs, idx: int, flops: int, outs) -> None:
         """The working memory the op's kernel allocates and frees inside the call."""
         scratch = transient_bytes(func, args)
-        if needs_probe(func, args, self.device_type) and flops <= PROBE_CAP_FLOPS:
+        if needs_probe(func, args, self.device_type, outs) and flops <= PROBE_CAP_FLOPS:
             scratch = probed_scratch_bytes(func, args, kwargs, scratch, outs)
         scratch += scalar_scratch_bytes(func, args, kwargs, self.device_type) + self._loose_scalar_bytes(args)
         if scratch:
@@ -530,6 +550,10 @@ class StepRecorder(TorchDispatchMode):
         self.rec.unknown_ops = set(self.cost.unknown_ops)
         self.rec.routers = list(self.routing.calls)
         return self.rec
+
+
+# the ops a derivative formula makes its zeros with
+_ZERO_FILLS = frozenset({"zeros", "zeros_like", "new_zeros"})
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
