@@ -112,3 +112,27 @@ def test_a_module_called_twice_back_to_back_replays_each_call_as_far_as_it_ran()
     plan = plan_from_decisions(stats, {"block": 1.0})
     real = autosac.measure(autosac.apply(copy.deepcopy(model), plan), x, loss_fn=loss_fn, steps=0, optimizer="sgd")
     assert real.peak_bytes == plan.predicted_peak_bytes
+
+
+def test_a_post_norm_layer_s_cached_output_is_counted_from_its_free():
+    """A post-norm block (BERT) ends in a layer norm whose mean and inverse std
+    are saved inside the block and whose output the next block saves: every
+    checkpoint of the block keeps (caches) that op call, and its output stays
+    alive to the block's replay.  The unmodified step frees that output just
+    before, at the next block's backward: the cache adds it from there only.
+    Counted from the block's forward end, each checkpointed layer was
+    over-predicted by one hidden state (262,144 B here) and the least plan of
+    four layers by 1 MiB."""
+    cfg = transformers.BertConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                  num_attention_heads=4, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(cfg)
+    ids = torch.randint(0, 1024, (8, 128))
+    inputs = {"input_ids": ids, "labels": ids}
+    loss_fn = lambda out: out.loss  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stats = autosac.profile(model, inputs, loss_fn=loss_fn, target="cpu")
+        for plan in (plan_from_decisions(stats, {"bert.encoder.layer.2": 1.0}), autosac.solve(stats, "least")):
+            real = autosac.measure(autosac.apply(copy.deepcopy(model), plan), inputs, loss_fn=loss_fn, steps=0)
+            assert real.peak_bytes == plan.predicted_peak_bytes, plan.decisions

@@ -14,7 +14,7 @@ from autosac.core.errors import StatsFormatError
 from autosac.core.loop import Loop
 from autosac.core.schema import build, check_common, parse
 
-STATS_FORMAT = 5
+STATS_FORMAT = 6
 
 @dataclass
 class SavedOp:
@@ -65,7 +65,7 @@ class ModuleStats:
     keeps (caches) the op calls with an output saved inside the module, unless
     it discards them, and re-runs all others: ``cache_holds`` lists, per kept
     op call, the bytes of its other outputs that the unmodified step frees
-    before the module's backward but the cache holds until then.
+    (at the event given) before the module's backward but the cache holds until then.
     """
 
     fqn: str
@@ -94,7 +94,7 @@ class ModuleStats:
     recompute_work_bytes: int  # most bytes of its forward's short-lived tensors alive at once
     recompute_profile: list[list[int]]  # [event, short-lived bytes alive] wherever that changes
     retained_input_bytes: int  # inputs a checkpoint keeps alive that would die before its backward
-    cache_holds: list[list[int]] = field(default_factory=list)  # [op event, bytes]: see above
+    cache_holds: list[list[int]] = field(default_factory=list)  # [op event, bytes, freed at]: see above
     outside_write_bytes: int = 0  # written in place but made before the call: kept as they were until the replay
     bw_windows: list = field(default_factory=list)  # per forward call: [first, last] backward event of its nodes
     retained_input_calls: list[int] = field(default_factory=list)  # retained_input_bytes per call

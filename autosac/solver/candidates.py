@@ -51,6 +51,7 @@ class Candidate:
     call: int = 0  # which forward call of the module (a module called n times has n candidates)
     window: tuple[int, int] = (0, 0)  # that call's forward events
     retained: list[tuple[int, int, int]] = field(default_factory=list)  # (storage, bytes, freed) in ``hold``
+    late_holds: list[tuple[int, int]] = field(default_factory=list)  # (bytes, freed): held from freed, any choice
 
 
 def _choice_indices(cum_bytes: np.ndarray, cum_ms: np.ndarray, max_choices: int) -> list[int]:
@@ -160,14 +161,30 @@ def _discard_items(stats: ModelStats, op_ids: list[int], window,
     return sorted(items, key=key), forced
 
 
-def _cache_held(m, stats: ModelStats, items: list[list[int]], n: int, window) -> tuple[int, list[tuple[int, int]]]:
+def _cache_held(m, stats: ModelStats, items: list[list[int]], n: int, window,
+                late: frozenset = frozenset()) -> tuple[int, list[tuple[int, int]]]:
     """For the choice discarding ``items[:n]`` in the call ``window``: bytes the
-    checkpoint's cache holds for the kept op calls, and ``(event, bytes)`` of
-    those outputs that the discarded calls make again instead."""
+    checkpoint's cache holds for the kept op calls (but the ``late`` ones:
+    ``(event, freed)`` pairs counted from their free, see :func:`_late_holds`),
+    and ``(event, bytes)`` of those outputs that the discarded calls make again
+    instead."""
     discarded = {stats.saved_ops[i].event for it in items[:n] for i in it}
-    holds = [(e, b) for e, b in m.cache_holds if window[0] <= e < window[1]]
-    held = sum(b for e, b in holds if e not in discarded)
-    return held, [(e, b) for e, b in holds if e in discarded]
+    holds = [(e, b, f) for e, b, f in m.cache_holds if window[0] <= e < window[1]]
+    held = sum(b for e, b, f in holds if e not in discarded and (e, f) not in late)
+    return held, [(e, b) for e, b, _ in holds if e in discarded]
+
+
+def _late_holds(m, stats: ModelStats, items: list[list[int]], window, end: int) -> list[tuple[int, int, int]]:
+    """``(event, bytes, freed)`` of the cache's holds that every choice keeps
+    (an op no item discards: a post-norm block's last layer norm, whose mean
+    and inverse std are saved inside and whose output the next block saves)
+    and that the unmodified step frees after the call's forward ends: alive
+    there anyway until ``freed``, the cache adds them only from then to the
+    replay at ``end`` (counted over the whole interval, each post-norm layer
+    of a checkpointed BERT was over-predicted by one hidden state)."""
+    in_items = {stats.saved_ops[i].event for it in items for i in it}
+    return [(e, b, f) for e, b, f in m.cache_holds
+            if window[0] <= e < window[1] and e not in in_items and f > window[1]]
 
 
 def _recompute_extra(stats: ModelStats, m, items: list[list[int]], picks: list[int], window) -> list[int]:
@@ -453,10 +470,12 @@ def _call_candidate(r: Reading, fqn: str, m, choices: _Choices, j: int, window, 
     # over the whole interval: it is held from its consumers' backward on)
     # saved ops the forward itself drops (see _discard_bytes) that a choice keeps: the cache holds them to the replay
     dead = np.cumsum([0] + [sum(stats.saved_ops[i].bytes for i in it) - f for it, f in zip(mine, freed)])
-    net = [int(cum_b[k - 1]) - hold - _cache_held(m, stats, mine, k, window)[0] - int(dead[-1] - dead[k])
+    end = _recompute_start(m, j, span)
+    late = _late_holds(m, stats, mine, window, end)
+    skip = frozenset((e, f) for e, _, f in late)
+    net = [int(cum_b[k - 1]) - hold - _cache_held(m, stats, mine, k, window, skip)[0] - int(dead[-1] - dead[k])
            for k in picks]
     casts = r.replay_casts(window)
-    end = _recompute_start(m, j, span)
     return Candidate(
         fqn=fqn, start=window[1], end=end, bw_end=span[1], bytes=net,
         discarded=[int(cum_b[k - 1]) for k in picks],
@@ -466,5 +485,5 @@ def _call_candidate(r: Reading, fqn: str, m, choices: _Choices, j: int, window, 
         # the replay also works on its own copy of what the call writes outside itself;
         # its parameter casts are in ``hold`` from the replay on (or in the live bytes, re-made there for their use)
         work=[max(0, w + outside - casts) for w in _recompute_extra(stats, m, mine, picks, window)], call=j,
-        window=tuple(window), retained=parts,
+        window=tuple(window), retained=parts, late_holds=[(b, f) for _, b, f in late if f < end],
     )

@@ -70,7 +70,8 @@ def _needs(problem: Problem) -> list[_Need]:
     for c in cands:
         cuts.update((c.start, c.end, c.bw_end + 1))
     cuts.update(s.freed for s in problem.shared)
-    releases = [sorted({cands[i].bw_end for i in s.holders}) for s in problem.shared]
+    cuts.update(s.release(cands[i]) + 1 for s in problem.shared for i in s.holders)
+    releases = [sorted({s.release(cands[i]) for i in s.holders}) for s in problem.shared]
 
     def shared_at(t: int) -> frozenset:
         out = []
@@ -180,9 +181,9 @@ def _columns(problem: Problem):
     y_col: dict[tuple[int, int], int] = {}
     held_cols: dict[int, list[int]] = {}
     for si, s in enumerate(problem.shared):
-        for r in sorted({cands[i].bw_end for i in s.holders}):
+        for r in sorted({s.release(cands[i]) for i in s.holders}):
             y_col[si, r] = col
-            held_cols[col] = [i for i in s.holders if cands[i].bw_end >= r]
+            held_cols[col] = [i for i in s.holders if s.release(cands[i]) >= r]
             col += 1
     return z_index, y_col, held_cols, col
 
@@ -201,11 +202,11 @@ def _structure_rows(rows: _Rows, problem: Problem, z_index, y_col) -> None:
                 rows.add([(a, 1.0), (b, -1.0)], 0.0, 0.0)
     # y[s, r] >= y[s, r'] for the next release r', and >= z of each holder released at r
     for si, s in enumerate(problem.shared):
-        rs = sorted({cands[i].bw_end for i in s.holders})
+        rs = sorted({s.release(cands[i]) for i in s.holders})
         for r, nxt in zip(rs, rs[1:]):
             rows.add([(y_col[si, r], 1.0), (y_col[si, nxt], -1.0)], 0.0, np.inf)
         for i in s.holders:
-            rows.add([(y_col[si, cands[i].bw_end], 1.0)] + [(zc, -1.0) for zc in z_index[i]], 0.0, np.inf)
+            rows.add([(y_col[si, s.release(cands[i])], 1.0)] + [(zc, -1.0) for zc in z_index[i]], 0.0, np.inf)
 
 
 def _memory_rows(rows: _Rows, problem: Problem, budget_bytes: int | None, z_index, y_col, peak_col) -> None:

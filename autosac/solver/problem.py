@@ -38,10 +38,15 @@ class SharedHold:
     bytes: int
     freed: int
     holders: list[int]  # candidate indices
+    to_replay: bool = False  # held up to the holder's replay (a cache's hold), not through its backward
+
+    def release(self, c: Candidate) -> int:
+        """The last event holder ``c`` holds it (its replay counts it in ``work``)."""
+        return c.end - 1 if self.to_replay else c.bw_end
 
     def until(self, candidates: list[Candidate], chosen) -> int | None:
         """The last event it is held when the candidates in ``chosen`` are checkpointed."""
-        ends = [candidates[i].bw_end for i in self.holders if i in chosen]
+        ends = [self.release(candidates[i]) for i in self.holders if i in chosen]
         return max(ends) if ends else None
 
 
@@ -213,6 +218,9 @@ def build_problem(stats: ModelStats, max_choices: int = 16, keep_random: bool = 
     candidates.sort(key=lambda c: (c.start, -c.end, -stats.modules[c.fqn].depth))
     _set_ancestors(stats, candidates)
     shared = _share_retained(candidates)
+    # what the cache holds past its free in the unmodified step: from that free on, once
+    shared += [SharedHold(bytes=b, freed=f, holders=[i], to_replay=True)
+               for i, c in enumerate(candidates) for b, f in c.late_holds]
     # every plan re-makes the parameter casts, and packs what the forward saves through the cast hook
     always = sum(op.ms for op in stats.saved_ops if op.param_cast)
     casts = sum(len(op.savers) or 1 for op in stats.saved_ops if op.param_cast)

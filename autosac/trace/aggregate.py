@@ -274,7 +274,7 @@ def _module_stats(step: TracedStep, live: np.ndarray, times: _Times, saved: _Sav
             outside_write_bytes=outside[0][0] if outside else 0, outside_write_calls=[b for b, _ in outside],
             writes_outside=any(any_write for _, any_write in outside),
             saved_op_ids=ids, discardable_bytes=sum(saved.ops[i].bytes for i in ids if _in_first(saved.ops[i], windows)),
-            cache_holds=sorted([e, b] for e, b in cache_holds.get(fqn, {}).items()),
+            cache_holds=sorted([e, b, f] for (e, f), b in cache_holds.get(fqn, {}).items()),
             tradeoff=curve, tradeoff_exact_points=len(curve),
             saved_tensors=saved_tensors.get(fqn, [0] * len(windows)),
             recompute_starts=recompute_starts.get(fqn, [-1] * len(windows)),
@@ -403,7 +403,7 @@ def _recompute_work(rec, kept: dict[str, set[int]], bw_first: dict[str, int]):
     windows = {fqn: [(w[0], stop if not _has_event_in(rec.routed, w) else w[1]) for w, stop in zip(ws, stops[fqn])]
                for fqn, ws in rec.fw_windows.items()}
     deltas: dict[str, list[tuple[int, int]]] = defaultdict(list)
-    holds: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+    holds: dict[str, dict[tuple[int, int], int]] = defaultdict(lambda: defaultdict(int))
     for r in rec.storages:
         if r.kind != "act" or r.freed is None or r.created < 0:
             continue
@@ -421,7 +421,7 @@ def _recompute_work(rec, kept: dict[str, set[int]], bw_first: dict[str, int]):
                 if not r.param_cast and p in kept.get(fqn, ()):
                     saved_inside = any(fqn in st for st in r.saver_stacks)
                     if not saved_inside and fqn in bw_first and r.freed < bw_first[fqn]:
-                        holds[fqn][p] += r.nbytes
+                        holds[fqn][p, r.freed] += r.nbytes
                     continue
                 deltas[fqn] += [(p, r.nbytes), (min(r.freed, end), -r.nbytes)]
     for ev, scratch in rec.transient.items():
