@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import autosac
-from autosac.solver import plan_from_decisions
+from autosac.solver import plan_from_decisions, solve_budget
 
 transformers = pytest.importorskip("transformers")
 
@@ -136,3 +136,10 @@ def test_a_post_norm_layer_s_cached_output_is_counted_from_its_free():
         for plan in (plan_from_decisions(stats, {"bert.encoder.layer.2": 1.0}), autosac.solve(stats, "least")):
             real = autosac.measure(autosac.apply(copy.deepcopy(model), plan), inputs, loss_fn=loss_fn, steps=0)
             assert real.peak_bytes == plan.predicted_peak_bytes, plan.decisions
+    # these holds make the problem's chain DP a bound, not an answer; where its plan reaches the bound it
+    # stands without the MILP, and the MILP finds no faster plan
+    for budget in ("60%", "80%"):
+        chain, milp = solve_budget(stats, budget), solve_budget(stats, budget, presolve=False)
+        assert chain.solver["backend"] == "chain DP"
+        assert chain.recompute_ms == pytest.approx(milp.recompute_ms, rel=1e-6)
+        assert chain.predicted_peak_bytes <= chain.budget_bytes

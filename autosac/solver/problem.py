@@ -89,7 +89,8 @@ class Problem:
         cands = [replace(c, bytes=list(c.bytes), ancestors=list(c.ancestors)) for c in self.candidates]
         for s in self.shared:
             for i in s.holders:
-                cands[i].hold += s.bytes
+                if not s.to_replay:  # a cache's hold ends with the replay: no more after it
+                    cands[i].hold += s.bytes
                 cands[i].bytes = [b - s.bytes for b in cands[i].bytes]
         return replace(self, candidates=cands, shared=[])
 

@@ -34,6 +34,9 @@ PROBE_SCRATCH_OPS = frozenset({
     "convolution_backward", "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_flash_attention_for_cpu_backward",
     "mse_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "soft_margin_loss",
+    # the source's gradient: the selected values, zeros for the rest and their concatenation,
+    # inside one call (a vision-language model's image features scattered into the text embeddings)
+    "masked_scatter_backward",
 })
 # Matmuls in half precision (oneDNN converts and reorders blocks internally).
 _HALF_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm"})

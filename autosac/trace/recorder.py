@@ -273,13 +273,14 @@ class StepRecorder(TorchDispatchMode):
     def _note_functional_fill(self, func, args, outs, idx: int) -> None:
         """Derivative formulas that fill zeros (``gather``'s backward scatters
         the gradient into them) write in place on plain tensors and out of
-        place on tensor subclasses, fakes included: an out-of-place op with an
-        in-place twin, on zeros the backward just made, is settled in
-        :meth:`finish` as in place when those zeros die with it."""
-        if not args or not isinstance(args[0], torch.Tensor) or len(outs) != 1 or torch.is_grad_enabled():
+        place on tensor subclasses, fakes included: such a fill (not in a
+        custom ``autograd.Function``, whose backward runs as written), on
+        zeros the backward just made, is settled in :meth:`finish` as in
+        place when those zeros die with it."""
+        if func.overloadpacket.__name__ not in _FILLS or len(outs) != 1 or torch.is_grad_enabled():
             return
-        if func._schema.is_mutable or not hasattr(torch.ops.aten, func.overloadpacket.__name__ + "_"):
-            return
+        if isinstance(torch._C._current_autograd_node(), torch.autograd.function.BackwardCFunction):
+            return  # a custom Function's backward runs as written, out of place on real tensors too
         i = self.index_of(args[0])
         if i is None or not _same_layout(args[0], outs[0]):
             return
@@ -552,8 +553,11 @@ class StepRecorder(TorchDispatchMode):
         return self.rec
 
 
-# the ops a derivative formula makes its zeros with
+# the ops a derivative formula makes its zeros with, and the ones it fills them
+# with, in place on real tensors (gather's, sort's, topk's, index_select's,
+# index's backwards), out of place on tensor subclasses
 _ZERO_FILLS = frozenset({"zeros", "zeros_like", "new_zeros"})
+_FILLS = frozenset({"scatter", "scatter_add", "index_add", "index_put", "index_copy", "masked_scatter"})
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
