@@ -42,6 +42,9 @@ PROBE_SCRATCH_OPS = frozenset({
 _HALF_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
 
 
+# CPU means divide by the count wrapped in a tensor (12 B for float32), and a
+# half-precision mean sums a float32 copy of its input
+_CPU_MEANS = frozenset({"mean", "nanmean"})
 # ATen's grain size: a CPU reduction over fewer elements runs on one thread
 _PARALLEL_GRAIN = 32768
 
@@ -61,8 +64,15 @@ def needs_probe(func, args, device_type: str = "cpu", outs=()) -> bool:
     a reduction to one number over at least ATen's grain of elements (the
     loss's ``sum``): its threads' partial results sit in a buffer while they
     are combined (8 B for a float32 ``sum`` at 2 threads, ``amax`` alike,
-    ``max`` not)."""
+    ``max`` not).  On a CPU a ``mean`` (the count wrapped in a tensor; a
+    half-precision input copied to float32).  And losses whose kernels work
+    in input-sized buffers: the backwards of the ``*_loss`` kernels, and
+    ``binary_cross_entropy_with_logits`` (three of its input's size)."""
     name = func.overloadpacket.__name__
+    if name.endswith("_loss_backward") or name == "binary_cross_entropy_with_logits":
+        return True  # loss kernels work in input-sized buffers (soft margin's backward: two)
+    if device_type == "cpu" and name in _CPU_MEANS:
+        return True
     if device_type == "cpu" and (_parallel_full_reduction(func, args, outs) or _casting_reduction(func, args, outs)):
         return True
     if name in PROBE_SCRATCH_OPS or name == "mkldnn_rnn_layer_backward":
