@@ -433,3 +433,28 @@ def test_loss_kernels_working_memory_is_counted(loss):
     kw = dict(loss_fn=KERNEL_BUFFER_LOSSES[loss], optimizer="none", output_held=False)
     stats = autosac.profile(model, x, target="cpu", **kw)
     assert stats.peak_bytes == autosac.measure(model, x, steps=0, **kw).peak_bytes
+
+
+class _FrozenConvHead(nn.Module):
+    """A frozen Conv1d of many channels into two, then a trainable scale: the forward's convolution is the peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(32, 2, 5, padding=2).requires_grad_(False)
+        self.w = nn.Parameter(torch.ones(2, 1))
+
+    def forward(self, x):
+        return self.conv(x) * self.w
+
+
+def test_onednn_forward_convolution_scratch_is_counted():
+    """oneDNN's forward convolution reorders its input and weights into
+    buffers of its own inside the call (104 KB for a 4 KB output here): a
+    diffusers UNet1DModel peaked there, 100,544 B above its prediction (found
+    by a new-user trial).  Measured by a probe on a CPU target."""
+    torch.manual_seed(0)
+    model, x = _FrozenConvHead(), torch.randn(4, 32, 128)
+    kw = dict(optimizer="none", output_held=False)
+    stats = autosac.profile(model, x, target="cpu", **kw)
+    assert (stats.peak_phase, stats.timeline.ops[stats.peak_event]) == ("forward", "convolution")
+    assert stats.peak_bytes == autosac.measure(model, x, steps=0, **kw).peak_bytes

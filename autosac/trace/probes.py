@@ -71,8 +71,8 @@ def needs_probe(func, args, device_type: str = "cpu", outs=()) -> bool:
     name = func.overloadpacket.__name__
     if name.endswith("_loss_backward") or name == "binary_cross_entropy_with_logits":
         return True  # loss kernels work in input-sized buffers (soft margin's backward: two)
-    if device_type == "cpu" and name in _CPU_MEANS:
-        return True
+    if device_type == "cpu" and name in _CPU_MEANS | {"convolution"}:
+        return True  # and oneDNN's forward convolution reorders into buffers of its own
     if device_type == "cpu" and (_parallel_full_reduction(func, args, outs) or _casting_reduction(func, args, outs)):
         return True
     if name in PROBE_SCRATCH_OPS or name == "mkldnn_rnn_layer_backward":
