@@ -19,6 +19,8 @@ output sizes are :mod:`autosac.trace.probes`.
 
 from __future__ import annotations
 
+import os
+import sys
 import weakref
 
 import torch
@@ -70,24 +72,43 @@ def _geometry(t: torch.Tensor) -> tuple:
 
 
 def _view_written(func, args, kwargs) -> tuple | None:
-    """The geometry of the one view an in-place op writes, under grad mode;
-    else None.  Autograd then rebuilds that view's ``grad_fn`` at once, and for
-    a fake tensor (a tensor subclass: no ``as_strided``) it does so by running
-    the view op again -- ``out[:, t] = x`` dispatches ``select`` a second time
-    under the trace, once for real."""
+    """The geometry of the one view an in-place op writes, under grad mode,
+    and the caller's instruction; else None.  Autograd then rebuilds that
+    view's ``grad_fn`` at once, and for a fake tensor (a tensor subclass: no
+    ``as_strided``) it does so by running the view ops from the base again --
+    ``out[:, t] = x`` dispatches ``select`` a second time under the trace, once
+    for real; Funnel's attention re-runs a chain of seven views."""
     if not torch.is_grad_enabled():
         return None
     written = [t for t in written_tensors(func, args, kwargs) if isinstance(t, torch.Tensor)]
     if len(written) != 1 or not written[0]._is_view():
         return None
-    return _geometry(written[0])
+    return _geometry(written[0]), _caller()
 
 
-def _rebuilds(func, ran, geometry: tuple) -> bool:
-    """Whether ``func`` (the op right after an in-place write into a view) is
-    autograd re-making that view: a view op with exactly its geometry."""
+def _caller() -> tuple | None:
+    """The innermost frame outside torch and autosac, as (frame, instruction):
+    ops autograd dispatches on its own while one call runs share it."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame = frame.f_back
+    return None if frame is None else (id(frame), frame.f_lasti)
+
+
+# torch's package and autosac's (this file's grandparent)
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
+
+
+def _rebuilds(func, ran, written: tuple) -> bool | None:
+    """Whether ``func``, run after an in-place write into a view, is autograd
+    re-making that view: a view op dispatched within the same caller's
+    instruction as the write.  ``None`` once it made exactly the written
+    geometry (the rebuild is over)."""
+    geometry, caller = written
     outs = tensors_in(ran)
-    return is_view_op(func) and len(outs) == 1 and _geometry(outs[0]) == geometry
+    if not is_view_op(func) or len(outs) != 1 or caller is None or _caller() != caller:
+        return False
+    return None if _geometry(outs[0]) == geometry else True
 
 
 class _Packed:
@@ -325,7 +346,9 @@ class StepRecorder(TorchDispatchMode):
             self._flush_pending()
         written_view, self._written_view = self._written_view, None
         ran, routed = self._run(func, args, kwargs)
-        if written_view is not None and _rebuilds(func, ran, written_view):
+        rebuilding = written_view is not None and _rebuilds(func, ran, written_view)
+        if rebuilding is not False:
+            self._written_view = written_view if rebuilding else None
             return ran  # autograd rebuilding a written view's node: the real step dispatches no op for it
         if writes_input(func) and not is_view_op(func):
             self._note_stale(func, args, kwargs, ran)
