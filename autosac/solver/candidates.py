@@ -174,14 +174,14 @@ def _cache_held(m, stats: ModelStats, items: list[list[int]], n: int, window,
     return held, [(e, b) for e, b, _ in holds if e in discarded]
 
 
-def _late_holds(m, stats: ModelStats, items: list[list[int]], window, end: int) -> list[tuple[int, int, int]]:
+def _late_holds(m, stats: ModelStats, items: list[list[int]], window) -> list[tuple[int, int, int]]:
     """``(event, bytes, freed)`` of the cache's holds that every choice keeps
     (an op no item discards: a post-norm block's last layer norm, whose mean
     and inverse std are saved inside and whose output the next block saves)
     and that the unmodified step frees after the call's forward ends: alive
     there anyway until ``freed``, the cache adds them only from then to the
-    replay at ``end`` (counted over the whole interval, each post-norm layer
-    of a checkpointed BERT was over-predicted by one hidden state)."""
+    replay (counted over the whole interval, each post-norm layer of a
+    checkpointed BERT was over-predicted by one hidden state)."""
     in_items = {stats.saved_ops[i].event for it in items for i in it}
     return [(e, b, f) for e, b, f in m.cache_holds
             if window[0] <= e < window[1] and e not in in_items and f > window[1]]
@@ -466,12 +466,12 @@ def _call_candidate(r: Reading, fqn: str, m, choices: _Choices, j: int, window, 
     parts = [tuple(x) for x in m.retained_inputs[j]] if j < len(m.retained_inputs) else []
     outside = m.outside_write_calls[j] if j < len(m.outside_write_calls) else m.outside_write_bytes
     hold = retained + stats.checkpoint_state_bytes + outside
-    # what the cache holds for kept ops is not saved either (conservatively
-    # over the whole interval: it is held from its consumers' backward on)
+    # what the cache holds for kept ops is not saved either: over the whole interval, but the late holds,
+    # counted from their free to the replay (one-holder SharedHolds, built from ``late_holds``);
     # saved ops the forward itself drops (see _discard_bytes) that a choice keeps: the cache holds them to the replay
     dead = np.cumsum([0] + [sum(stats.saved_ops[i].bytes for i in it) - f for it, f in zip(mine, freed)])
     end = _recompute_start(m, j, span)
-    late = _late_holds(m, stats, mine, window, end)
+    late = _late_holds(m, stats, mine, window)
     skip = frozenset((e, f) for e, _, f in late)
     net = [int(cum_b[k - 1]) - hold - _cache_held(m, stats, mine, k, window, skip)[0] - int(dead[-1] - dead[k])
            for k in picks]

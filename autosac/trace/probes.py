@@ -34,6 +34,7 @@ PROBE_SCRATCH_OPS = frozenset({
     "convolution_backward", "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_flash_attention_for_cpu_backward",
     "mse_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "soft_margin_loss",
+    "binary_cross_entropy_with_logits",  # three buffers of its input's size
     # the source's gradient: the selected values, zeros for the rest and their concatenation,
     # inside one call (a vision-language model's image features scattered into the text embeddings)
     "masked_scatter_backward",
@@ -42,9 +43,10 @@ PROBE_SCRATCH_OPS = frozenset({
 _HALF_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
 
 
-# CPU means divide by the count wrapped in a tensor (12 B for float32), and a
-# half-precision mean sums a float32 copy of its input
-_CPU_MEANS = frozenset({"mean", "nanmean"})
+# CPU kernels with working memory of their own: means divide by the count
+# wrapped in a tensor (12 B for float32; a half-precision mean sums a float32
+# copy of its input), oneDNN's forward convolution reorders into buffers
+_CPU_PROBED = frozenset({"mean", "nanmean", "convolution"})
 # ATen's grain size: a CPU reduction over fewer elements runs on one thread
 _PARALLEL_GRAIN = 32768
 
@@ -69,13 +71,11 @@ def needs_probe(func, args, device_type: str = "cpu", outs=()) -> bool:
     in input-sized buffers: the backwards of the ``*_loss`` kernels, and
     ``binary_cross_entropy_with_logits`` (three of its input's size)."""
     name = func.overloadpacket.__name__
-    if name.endswith("_loss_backward") or name == "binary_cross_entropy_with_logits":
-        return True  # loss kernels work in input-sized buffers (soft margin's backward: two)
-    if device_type == "cpu" and name in _CPU_MEANS | {"convolution"}:
-        return True  # and oneDNN's forward convolution reorders into buffers of its own
-    if device_type == "cpu" and (_parallel_full_reduction(func, args, outs) or _casting_reduction(func, args, outs)):
+    if name in PROBE_SCRATCH_OPS or name == "mkldnn_rnn_layer_backward" or name.endswith("_loss_backward"):
+        return True  # loss backwards work in input-sized buffers (soft margin's: two)
+    if device_type == "cpu" and name in _CPU_PROBED:
         return True
-    if name in PROBE_SCRATCH_OPS or name == "mkldnn_rnn_layer_backward":
+    if device_type == "cpu" and (_parallel_full_reduction(func, args, outs) or _casting_reduction(func, args, outs)):
         return True
     if device_type == "cpu" and torch.Tag.pointwise in func.tags and _mixed_dtypes(args):
         return True

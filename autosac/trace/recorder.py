@@ -67,6 +67,13 @@ def _without_graph(t):
         return t.detach()
 
 
+# the ops a derivative formula makes its zeros with, and the ones it fills them
+# with, in place on real tensors (gather's, sort's, topk's, index_select's,
+# index's backwards), out of place on tensor subclasses
+_ZERO_FILLS = frozenset({"zeros", "zeros_like", "new_zeros"})
+_FILLS = frozenset({"scatter", "scatter_add", "index_add", "index_put", "index_copy", "masked_scatter"})
+
+
 def _geometry(t: torch.Tensor) -> tuple:
     return id(t.untyped_storage()), tuple(t.shape), t.stride(), t.storage_offset()
 
@@ -574,13 +581,6 @@ class StepRecorder(TorchDispatchMode):
         self.rec.unknown_ops = set(self.cost.unknown_ops)
         self.rec.routers = list(self.routing.calls)
         return self.rec
-
-
-# the ops a derivative formula makes its zeros with, and the ones it fills them
-# with, in place on real tensors (gather's, sort's, topk's, index_select's,
-# index's backwards), out of place on tensor subclasses
-_ZERO_FILLS = frozenset({"zeros", "zeros_like", "new_zeros"})
-_FILLS = frozenset({"scatter", "scatter_add", "index_add", "index_put", "index_copy", "masked_scatter"})
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
