@@ -3,6 +3,7 @@ per saved tensor and per selectively dispatched op, and how the solver weighs
 them (plain regions where per-op modes are dear).  Timing accuracy is measured
 in benchmarks/bench_dispatch_overhead.py, not here."""
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -12,8 +13,9 @@ from torch import nn
 
 import autosac
 from autosac.core.devices import DeviceSpec
-from autosac.core.host import HostCosts
+from autosac.core.host import HostCosts, gap_roots
 from autosac.models import build_model
+from autosac.solver import plan_from_decisions
 from autosac.tools.calibrate import calibrate
 
 ZERO = HostCosts()
@@ -41,7 +43,8 @@ def test_host_costs_are_checked_and_travel_with_the_target():
                                     "backward_untimed_us": None, "small_op_bytes": 0.0, "large_op_bytes": 0.0,
                                     "untimed_us_per_mib": 0.0, "backward_untimed_us_per_mib": 0.0,
                                     "selective_us_per_mib": 0.0, "cold_read_us_per_mib": 0.0, "cast_hook_us": 0.0,
-                                    "cast_remake_us": 0.0, "first_call_us": 0.0}
+                                    "cast_remake_us": 0.0, "call_gap_us": 0.0,
+                                    "state_item_us": 0.0}
     assert autosac.ModelStats.from_json(stats.to_json()).target == stats.target
     # a figure a newer autosac added is left out, not a TypeError at solve time
     newer = {**spec.to_dict(), "host": {**HostCosts(1.0, 2.0, 3.0, 4.0).to_dict(), "figure_of_the_future_us": 9.0}}
@@ -157,27 +160,76 @@ def test_profiling_on_this_cpu_leaves_the_seeded_generator_as_it_was(tmp_path, m
     assert torch.equal(state, torch.get_rng_state())
 
 
+def _machinery_points(stats, plan) -> list[int]:
+    """Where the plan's calls run the machinery, read off the trace: each
+    decided module's forward start and its replay (its first backward read
+    of a tensor saved inside it, within its backward)."""
+    points = []
+    for fqn in plan.decisions:
+        m = stats.modules[fqn]
+        for (start, _), (bw_start, bw_end), replay in zip(m.fw_windows, m.bw_windows, m.recompute_starts):
+            points += [start, min(max(replay, bw_start), bw_end)]
+    return points
+
+
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
-def test_the_first_checkpointed_call_of_a_step_is_priced_once(device_type):
-    """A step with checkpointed calls pays ``first_call_us`` once (one call
-    alone costs more than each of several), at any number of regions; a plan
-    that checkpoints nothing does not; on a GPU that host work hides under
-    kernels."""
+def test_a_checkpointed_call_costs_more_the_more_runs_since_the_last(device_type):
+    """``call_gap_us``: a plan's machinery is priced per square root of the
+    op calls between its runs (each call's forward start and replay) --
+    exactly, for the plan's own calls: one block alone costs more than each
+    of all blocks; a plan that checkpoints nothing costs nothing; on a GPU
+    that host work hides under kernels (the calls' own prices only)."""
     model, idx = gpt(GPT, device="meta", batch=4)
     base = replace(A100_CPU_KERNELS, device_type=device_type)
-    costs = HostCosts(op_us=5.0, checkpoint_call_us=100.0, saved_tensor_us=3.0)
-    plans = {}
-    for first in (0.0, 700.0):
-        stats = autosac.profile(model, idx, target=replace(base, host=replace(costs, first_call_us=first)))
-        least = autosac.solve(stats, "least")
-        mid = (least.predicted_peak_bytes + stats.peak_bytes) // 2
-        plans[first] = [autosac.solve(stats, b) for b in (stats.peak_bytes, mid, "least")]
-    extra = 0.7 if device_type == "cpu" else 0.0
-    for without, with_first in zip(plans[0.0], plans[700.0]):
-        assert with_first.decisions == without.decisions  # the same for every plan that checkpoints: orders none
-        expected = extra if without.decisions else 0.0
-        assert with_first.recompute_ms == pytest.approx(without.recompute_ms + expected, abs=1e-9)
-        assert with_first.mechanism_ms == pytest.approx(without.mechanism_ms + expected, abs=1e-9)
-        calls = sum(d.mechanism_ms for d in with_first.details.values())
-        assert with_first.mechanism_ms == pytest.approx(calls + expected, abs=1e-9)
-    assert not plans[0.0][0].decisions and len(plans[0.0][2].decisions) > 1  # none, and several regions
+    costs = HostCosts(op_us=5.0, checkpoint_call_us=100.0, saved_tensor_us=3.0, call_gap_us=20.0)
+    stats = autosac.profile(model, idx, target=replace(base, host=costs))
+    blocks = [f for f in stats.modules if f.startswith("blocks.") and f.count(".") == 1]
+    least = autosac.solve(stats, "least")
+    mid = autosac.solve(stats, (least.predicted_peak_bytes + stats.peak_bytes) // 2)
+    one = plan_from_decisions(stats, {blocks[len(blocks) // 2]: 1.0})
+    every = plan_from_decisions(stats, dict.fromkeys(blocks, 1.0))
+    assert not autosac.solve(stats, stats.peak_bytes).decisions and len(least.decisions) > 1
+    for plan in (least, mid, one, every):
+        calls = sum(d.mechanism_ms for d in plan.details.values())
+        own = sum(math.sqrt(w[1] - w[0]) for f in plan.decisions for w in stats.modules[f].fw_windows)
+        points = _machinery_points(stats, plan)
+        own += sum(math.sqrt(bw[1] - min(max(r, bw[0]), bw[1])) for f in plan.decisions
+                   for bw, r in zip(stats.modules[f].bw_windows, stats.modules[f].recompute_starts))
+        expected = 0.02 * (gap_roots(points, len(stats.timeline.ops)) - own) if device_type == "cpu" else 0.0
+        assert plan.mechanism_ms == pytest.approx(calls + expected, abs=1e-9)
+        assert plan.recompute_ms == pytest.approx(sum(d.recompute_ms for d in plan.details.values()) + expected,
+                                                  abs=1e-9)
+    per_call = [p.mechanism_ms / len(p.decisions) for p in (one, every)]
+    assert per_call[0] > per_call[1] if device_type == "cpu" else per_call[0] == pytest.approx(per_call[1])
+
+
+class _Block(nn.Module):
+    def __init__(self, settings: int = 0) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+        if settings:
+            self.settings = {f"option_{i}": i for i in range(settings)}  # a config the forward could read
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def test_a_checkpointed_call_is_priced_by_the_python_state_it_captures():
+    """``state_item_us``: a checkpoint captures, swaps in and puts back the
+    Python state its module's forward may change (autosac.core.pystate) --
+    a transformers block's config is hundreds of entries.  The trace counts
+    them per module (``ModuleStats.state_items``): a dict of 500 entries on
+    a block is 502 items more (the block's attribute, the dict, its entries), and its call is
+    priced ``state_item_us`` for each."""
+    x = torch.randn(256, 32)
+    stats = {}
+    for settings in (0, 500):
+        torch.manual_seed(0)
+        model = nn.Sequential(_Block(), _Block(settings), _Block())
+        target = replace(A100_CPU_KERNELS, device_type="cpu", host=HostCosts(checkpoint_call_us=50.0, state_item_us=1.0))
+        stats[settings] = autosac.profile(model, x, target=target)
+    items = {k: s.modules["1"].state_items for k, s in stats.items()}
+    assert items[0] > 0 and items[500] - items[0] == 502
+    assert stats[500].modules["0"].state_items == stats[0].modules["0"].state_items
+    plans = {k: plan_from_decisions(s, {"1": 1.0}) for k, s in stats.items()}
+    assert plans[500].details["1"].mechanism_ms - plans[0].details["1"].mechanism_ms == pytest.approx(0.502)

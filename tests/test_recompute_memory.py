@@ -142,7 +142,10 @@ def test_a_post_norm_layer_s_cached_output_is_counted_from_its_free():
     for budget in ("50%", "60%", "70%", "80%", "90%"):
         plan, milp = solve_budget(stats, budget), solve_budget(stats, budget, presolve=False)
         backends.add(plan.solver["backend"])
-        assert plan.recompute_ms == pytest.approx(milp.recompute_ms, rel=1e-6)
+        # the solvers' objective: each call at its own price (plans of equal objective may differ in
+        # the gaps between their calls, which the plans' recompute_ms counts besides)
+        own = [sum(d.recompute_ms for d in p.details.values()) for p in (plan, milp)]
+        assert own[0] == pytest.approx(own[1], rel=1e-6)
         assert plan.predicted_peak_bytes <= plan.budget_bytes
     assert "chain DP" in backends
 

@@ -41,7 +41,7 @@ def _exhaustive(problem, budget):
         if any(len({combo[i] for i in group}) > 1 for group in problem.linked):
             continue  # the calls of one module choose alike
         if problem.evaluate(choice) <= budget:
-            ms = problem.recompute_ms(choice)
+            ms = problem.objective_ms(choice)
             if ms < best[0]:
                 best = (ms, choice)
     return best

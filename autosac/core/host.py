@@ -14,12 +14,14 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
-CACHE_KEY = "host-costs-v16"  # bump when the micro-benchmark changes (v12: a large size too, autosac.core.hostsize;
+CACHE_KEY = "host-costs-v17"  # bump when the micro-benchmark changes (v12: a large size too, autosac.core.hostsize;
 # v13: cold_read_us_per_mib, autosac.core.coldread; v14: cast_hook_us; v15: figures as medians of per-round figures;
-# v16: first_call_us)
+# v16: first_call_us; v17: call_gap_us in its place, checkpoint_call_us and saved_tensor_us at no gap;
+# state_item_us)
 _FIELDS = ("op_us", "checkpoint_call_us", "saved_tensor_us", "selective_op_us", "untimed_op_us", "backward_op_us",
            "backward_untimed_us", "small_op_bytes", "large_op_bytes", "untimed_us_per_mib", "backward_untimed_us_per_mib",
-           "selective_us_per_mib", "cold_read_us_per_mib", "cast_hook_us", "cast_remake_us", "first_call_us")
+           "selective_us_per_mib", "cold_read_us_per_mib", "cast_hook_us", "cast_remake_us", "call_gap_us",
+           "state_item_us")
 _SIGNED = ("backward_untimed_us",)
 _PER_OP = ("op_us", "selective_op_us", "untimed_op_us", "backward_op_us", "backward_untimed_us", "cast_hook_us",
            "cast_remake_us")
@@ -59,9 +61,15 @@ class HostCosts:
     cast_hook_us: float = 0.0
     # each parameter cast that hook packs as its parameter and makes again in the backward, beyond that
     cast_remake_us: float = 0.0
-    # once per step with checkpointed calls, beyond their per-call cost: one call alone costs more than
-    # each of several (the machinery's code and data cold); eager, a CPU target's (autosac.tools.calibrate)
-    first_call_us: float = 0.0
+    # what a checkpointed call costs more, at each point it runs the machinery (its forward, its replay),
+    # per square root of the op calls the step ran since the machinery last ran there: its code and data
+    # go cold in between (gap_roots; autosac.tools.calibrate); 0: every call costs checkpoint_call_us and
+    # its saved tensors' share
+    call_gap_us: float = 0.0
+    # each container and entry of the Python state a checkpointed call captures (ModuleStats.state_items:
+    # its subtree's attribute tables, what its arguments reach), captured, swapped in for the replay and
+    # put back: 0.37 us each here, warm (a transformers GPT-2 block holds 311, a small MLP block 93)
+    state_item_us: float = 0.0
 
     def size_us(self, nbytes: float, us_per_mib: float) -> float:
         """What an op making ``nbytes`` adds to a per-op figure (:func:`autosac.core.hostsize.extra_us`)."""
@@ -87,16 +95,27 @@ class HostCosts:
             untimed += self.size_us(nbytes, self.backward_untimed_us_per_mib if backward else self.untimed_us_per_mib)
         return max(0.0, kernel_ms + (untimed if timed else whole) / 1e3)
 
-    def checkpoint_ms(self, saved_tensors: int, ops: int, selective: bool, op_bytes=()) -> float:
+    def checkpoint_ms(self, saved_tensors: int, ops: int, selective: bool, op_bytes=(), roots: float = 0.0,
+                      state_items: int = 0) -> float:
         """What checkpointing one call costs the host: per call, per tensor its
-        forward saves, and (selectively) per op call, in the forward and the replay.
-        ``op_bytes``: what each op call makes, where its kernels run on this
-        CPU: large ones cost more per MiB they make (:mod:`autosac.core.hostsize`)."""
-        us = self.checkpoint_call_us + saved_tensors * self.saved_tensor_us
+        forward saves, per item of Python state it captures, (selectively) per
+        op call, in the forward and the replay, and :meth:`gap_us` of ``roots``
+        for the op calls run since the machinery last ran.  ``op_bytes``: what each op call makes,
+        where its kernels run on this CPU: large ones cost more per MiB they
+        make (:mod:`autosac.core.hostsize`)."""
+        us = self.checkpoint_call_us + saved_tensors * self.saved_tensor_us + self.gap_us(roots)
+        us += state_items * self.state_item_us
         if selective:
             us += 2 * ops * self.selective_op_us
             us += 2 * sum(self.size_us(b, self.selective_us_per_mib) for b in op_bytes)
         return us / 1e3
+
+    def gap_us(self, roots: float) -> float:
+        """What a checkpointed call costs for the op calls the step ran since the
+        machinery last ran, at each point the call runs it (its forward, its
+        replay): ``call_gap_us`` times ``roots``, the sum of the square roots
+        of those gaps in trace events (:func:`gap_roots`)."""
+        return self.call_gap_us * roots
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -116,6 +135,30 @@ class HostCosts:
         newer autosac added are left out (priced as this version prices)."""
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def gap_roots(points, cycle: int) -> float:
+    """The sum, over ``points`` (the trace events where a plan's checkpointed
+    calls run the checkpointing machinery: each call's forward start and its
+    replay), of the square root of the events since the point before it; the
+    step repeats every ``cycle`` events, so the first point's gap runs from the
+    last one round the step's end.
+
+    On this 2-core VM a small region's call cost 250 us with another one right
+    before it, 430 us with a transformer block between (36 op calls), 700 us
+    alone in a model of six blocks, 1400 us alone in one of 48: near ``a + b *
+    sqrt(gap)``, the machinery's code and data evicted by what runs between.
+
+    Example::
+
+        >>> gap_roots([10, 90], cycle=100)  # one call: forward at 10, replay at 90
+        13.41...
+    """
+    pts = sorted(points)
+    if not pts:
+        return 0.0
+    roots = math.sqrt(max(0, cycle - pts[-1] + pts[0]))
+    return roots + sum(math.sqrt(b - a) for a, b in zip(pts, pts[1:]))
 
 
 def host_costs(given: HostCosts | dict | None) -> HostCosts:

@@ -58,6 +58,12 @@ class State:
                     target.clear()
                     target.update(copy)
 
+    def items(self) -> int:
+        """How much a checkpointed call handles at each capture, swap and put-back
+        of this state: the captured containers and their entries (what
+        ``HostCosts.state_item_us`` prices)."""
+        return len(self._saved) + len(self._empty) + sum(len(copy) for _, copy in self._saved)
+
     def grew(self) -> bool:
         """Whether any captured object or table has gained entries since capture
         (a forward that built lazy state: a cache attribute, a registered buffer)."""

@@ -14,7 +14,7 @@ from autosac.core.errors import StatsFormatError
 from autosac.core.loop import Loop
 from autosac.core.schema import build, check_common, parse
 
-STATS_FORMAT = 6
+STATS_FORMAT = 7
 
 @dataclass
 class SavedOp:
@@ -118,6 +118,9 @@ class ModuleStats:
     # its forward reads tensors derived from an MoE routing decision (autosac.trace.routing): how many
     # op calls it runs, and their sizes, follow the routing, so it is checkpointed only whole and plainly
     routed: bool = False
+    # what a checkpoint of it captures of the Python state its forward may change, at each call
+    # (autosac.core.pystate: containers and entries; a call's host cost, HostCosts.state_item_us)
+    state_items: int = 0
 
     @property
     def is_leaf(self) -> bool:

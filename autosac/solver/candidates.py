@@ -12,6 +12,7 @@ module's reading shares (the stats, the host's costs, caches).
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,6 +53,7 @@ class Candidate:
     window: tuple[int, int] = (0, 0)  # that call's forward events
     retained: list[tuple[int, int, int]] = field(default_factory=list)  # (storage, bytes, freed) in ``hold``
     late_holds: list[tuple[int, int]] = field(default_factory=list)  # (bytes, freed): held from freed, any choice
+    gap_roots: float = 0.0  # the gaps its mechanism is priced with before the plan is known (own_gap_roots)
 
 
 def _choice_indices(cum_bytes: np.ndarray, cum_ms: np.ndarray, max_choices: int) -> list[int]:
@@ -234,11 +236,24 @@ def _mechanism(stats: ModelStats, m, window, n_items: int, picks: list[int], hos
     # where the kernels run on this CPU, large ops cost a selective call's per-op work more (autosac.core.hostsize)
     made = stats.timeline.made_bytes[window[0] : window[1]] if stats.target.get("device_type") == "cpu" else ()
     warm = _warm_ms(stats, window, host) if can_be_plain else 0.0
-    mechanism = [host.checkpoint_ms(saved, ops, selective=not (can_be_plain and k == n_items), op_bytes=made)
-                 for k in picks]
+    roots = own_gap_roots(m, window)
+    mechanism = [host.checkpoint_ms(saved, ops, selective=not (can_be_plain and k == n_items), op_bytes=made,
+                                    roots=roots, state_items=m.state_items) for k in picks]
     mechanism = [max(0.0, mech - warm) if can_be_plain and k == n_items else mech for mech, k in zip(mechanism, picks)]
     whole_ms = max(0.0, float(sum(stats.timeline.ms[window[0] : window[1]])) - warm) if can_be_plain else None
     return mechanism, whole_ms
+
+
+def own_gap_roots(m, window) -> float:
+    """The gaps a call's machinery is priced with before the plan is known
+    (:func:`autosac.core.host.gap_roots`): as if the calls next to it were
+    checkpointed too, right beside it -- in the forward, the op calls since
+    the machinery last ran are the call's own forward; in the backward, the
+    neighbour's backward, as long as its own (:meth:`Problem.gap_ms` prices
+    the plan's real gaps)."""
+    span = m.bw_windows[0] if m.bw_windows else None
+    backward = 0 if span is None else max(0, span[1] - _recompute_start(m, 0, span))
+    return math.sqrt(window[1] - window[0]) + math.sqrt(backward)
 
 
 def _warm_ms(stats: ModelStats, window, host: HostCosts) -> float:
@@ -349,10 +364,11 @@ class Reading:
         return cls(stats=stats, max_choices=max_choices, keep_random=keep_random, host=host, overlap=overlap,
                    events=[op.event for op in stats.saved_ops], replay_casts=_ReplayCasts(stats), cast_hooks=casts)
 
-    def first_call_ms(self) -> float:
-        """What a step's checkpointed calls add once (``HostCosts.first_call_us``):
-        eager on a CPU target; on a GPU that host work hides under kernels."""
-        return 0.0 if self.overlap or self.keep_random else self.host.first_call_us / 1e3
+    def call_gap_ms(self) -> float:
+        """``HostCosts.call_gap_us`` in ms, where the plan's real gaps between
+        checkpointed calls are priced (:meth:`Problem.gap_ms`): eager on a CPU
+        target; on a GPU that host work hides under kernels."""
+        return 0.0 if self.overlap or self.keep_random else self.host.call_gap_us / 1e3
 
     def cast_hook_ms(self, saved: int, casts: int = 0) -> float:
         """What the parameter-cast hook costs ``saved`` saved tensors, ``casts``
@@ -486,4 +502,5 @@ def _call_candidate(r: Reading, fqn: str, m, choices: _Choices, j: int, window, 
         # its parameter casts are in ``hold`` from the replay on (or in the live bytes, re-made there for their use)
         work=[max(0, w + outside - casts) for w in _recompute_extra(stats, m, mine, picks, window)], call=j,
         window=tuple(window), retained=parts, late_holds=[(b, f) for _, b, f in late if f < end],
+        gap_roots=own_gap_roots(m, choices.calls[0][0]),
     )

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from autosac.core.host import gap_roots
 from autosac.core.stats import ModelStats
 from autosac.solver.candidates import Candidate, Reading, module_candidates
 from autosac.solver.sharding import sharded_live
@@ -59,7 +60,8 @@ class Problem:
     baseline_peak: int  # the unconstrained peak: sharded over world_size, parameter casts saved
     linked: list[list[int]] = field(default_factory=list)  # candidates (calls of one module) that choose alike
     shared: list[SharedHold] = field(default_factory=list)
-    first_call_ms: float = 0.0  # once per step, for a plan that checkpoints any call (HostCosts.first_call_us)
+    call_gap_ms: float = 0.0  # HostCosts.call_gap_us in ms where the plan's real gaps are priced (gap_ms), else 0
+    events: int = 0  # the step's trace events: one cycle of the training loop
 
     def group_of(self, i: int) -> list[int]:
         """Candidate ``i`` and the other calls of its module."""
@@ -99,18 +101,33 @@ class Problem:
         never above this one's, so its least recompute time is a lower bound here."""
         return replace(self, shared=[])
 
+    def objective_ms(self, choice: dict[int, int]) -> float:
+        """What the solvers minimize: :meth:`recompute_ms` with every call's
+        machinery priced as if the calls next to it were checkpointed too (a
+        sum over the candidates; :meth:`gap_ms` is the rest)."""
+        return self.always_ms + sum(self.candidates[i].ms[k - 1] for i, k in choice.items())
+
     def recompute_ms(self, choice: dict[int, int]) -> float:
         """Time a plan adds to the step: recomputation and checkpointing machinery."""
-        return self.always_ms + self._first_ms(choice) + sum(self.candidates[i].ms[k - 1] for i, k in choice.items())
+        return self.objective_ms(choice) + self.gap_ms(choice)
 
     def mechanism_ms(self, choice: dict[int, int]) -> float:
         """The part of :meth:`recompute_ms` the checkpointing machinery costs."""
-        return self._first_ms(choice) + sum(self.candidates[i].mechanism[k - 1] for i, k in choice.items())
+        return self.gap_ms(choice) + sum(self.candidates[i].mechanism[k - 1] for i, k in choice.items())
 
-    def _first_ms(self, choice: dict[int, int]) -> float:
-        """The step's first checkpointed call's extra, once: the same for every
-        plan that checkpoints anything, so it orders no two such plans."""
-        return self.first_call_ms if choice else 0.0
+    def gap_ms(self, choice: dict[int, int]) -> float:
+        """What the plan's checkpointed calls cost beyond their candidates'
+        prices for the op calls the step runs between them: the machinery,
+        run at each call's forward start and replay, is colder the more ran
+        since it last ran (``HostCosts.call_gap_us``).  A call alone, or the
+        step's first, costs more than one right after another; eager, a CPU
+        target's (on a GPU that host work hides under the kernels)."""
+        if not self.call_gap_ms or not choice:
+            return 0.0
+        cands = [self.candidates[i] for i in choice]
+        points = [p for c in cands for p in (c.window[0], c.end)]
+        priced = sum(c.gap_roots for c in cands)
+        return self.call_gap_ms * (gap_roots(points, self.events) - priced)
 
 
 def _adjusted_live(stats: ModelStats, drop_casts: bool = True) -> np.ndarray:
@@ -231,4 +248,4 @@ def build_problem(stats: ModelStats, max_choices: int = 16, keep_random: bool = 
     position = {id(c): i for i, c in enumerate(candidates)}
     groups = [sorted(position[id(c)] for c in g) for g in linked]
     return Problem(live=live, made=made, candidates=candidates, always_ms=always, baseline_peak=baseline, linked=groups,
-                   shared=shared, first_call_ms=reading.first_call_ms())
+                   shared=shared, call_gap_ms=reading.call_gap_ms(), events=len(stats.timeline.ops))

@@ -45,9 +45,16 @@ own, whatever the kernels cost:
 * ``cast_remake_us``: each parameter cast that hook packs as its parameter
   and makes again in the backward, beyond a tensor's ``cast_hook_us`` and
   the cast op itself, which plans price as an op (measured under CPU autocast).
-* ``first_call_us``: once per step that checkpoints anything, beyond the
-  calls' own figures: one region alone costs more than each of several
-  (:func:`_first_call_us`); eager, a CPU target's.
+* ``call_gap_us``: what a checkpointed call costs more, where it runs the
+  machinery (its forward start and its replay), per square root of the op
+  calls run since the machinery last ran (:func:`autosac.core.host.gap_roots`):
+  its code and data go cold in between, so a call alone costs more than one
+  right after another (:func:`_call_gap_us`); eager, a CPU target's.
+  ``checkpoint_call_us`` and ``saved_tensor_us`` are a call's with no gap.
+* ``state_item_us``: each container and entry of Python state a
+  checkpointed call captures, swaps in for its replay and puts back
+  (:mod:`autosac.core.pystate`; :func:`_state_item_us`): a transformers
+  block's attributes and config cost more than a small block's.
 
 :func:`calibrate` measures them on this machine with a micro-benchmark
 (small transformer blocks run plain, with each forward run twice,
@@ -250,7 +257,9 @@ def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, r
     if contended(threads, busy):
         reasons.append(f"other processes kept {busy:.1f} of {os.cpu_count()} cores busy beside {threads} torch threads")
     figures = dict(got.figures)
-    figures["first_call_us"] = _first_call_us(models["shallow"], inputs[("shallow", "none")])
+    figures["call_gap_us"] = _call_gap_us(models["tiny"], inputs[("shallow", "none")])
+    figures["state_item_us"] = _state_item_us(models["deep"], inputs[("shallow", "none")])
+    figures = _without_gaps(figures, models)
     if figures.get("large_op_bytes"):
         figures["cold_read_us_per_mib"] = _cold_read_us_per_mib(figures["small_op_bytes"], figures["large_op_bytes"])
     return Measured(HostCosts(**figures), tuple(reasons), got.rounds)
@@ -274,29 +283,25 @@ def _benchmark(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32)
     return models, variants, inputs
 
 
-def _first_call_us(setup: dict, x: torch.Tensor, rounds: int = 30) -> float:
-    """``first_call_us``: in a training loop (AdamW) of the shallow
-    calibration model (``setup``: small transformer blocks, each followed
-    by a plain layer), what its middle block checkpointed alone costs beyond
-    a call of all of them checkpointed, each set against its forward run
-    twice; the median of each round's difference.  A step's first
-    checkpointed call runs the machinery's code and data cold; later ones
-    find it warm.  Measured here: 430-1160 us (a call of six: 1.2-1.5 ms);
-    in real models' mid plans the machinery of their one to three regions
-    was priced 0.4-0.75 ms short (``bench_overhead_parts.py``).  The
-    per-call figures hold a share of it already (each calibration call is
-    one of 6 or 24 in its step): a plan of many regions counts that share
-    twice, by a few percent of its machinery.  Not checked for noise as the
-    main rounds are.
-    """
+def _call_gap_us(setup: dict, x: torch.Tensor, rounds: int = 40) -> float:
+    """``call_gap_us`` (:meth:`HostCosts.gap_us`): in the tiny calibration
+    model (``setup``: 24 small regions, each followed by a transformer
+    block), what its middle region checkpointed alone costs beyond each call
+    of all of them checkpointed, each set against its forward run twice (the
+    median of each round's difference), per square root of the op calls that
+    run between the machinery's runs (:func:`autosac.core.host.gap_roots`):
+    one call alone finds it colder.  Measured here: 9-13 us per root, 4 s
+    (the shallow model's six blocks, 32 roots apart against the tiny model's
+    65, read 2.5-8.6 us).  Not checked for noise as the main rounds are."""
     import copy
 
     import autosac.applier
-    from autosac.core.optim import make_optimizer
     from autosac.solver import plan_from_decisions
 
-    model, blocks = setup["variants"]["none"], setup["blocks"]
-    alone = str(2 * (blocks // 2))  # the middle region (regions are the even modules)
+    blocks = setup["blocks"]
+    model = nn.Sequential(*[m.region if isinstance(m, _Twice) else m for m in setup["variants"]["twice"]])
+    regions = [str(i) for i in range(0, 2 * blocks, 2)]
+    alone = regions[blocks // 2]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         one = autosac.applier.apply(copy.deepcopy(model), plan_from_decisions(setup["stats"], {alone: 1.0}))
@@ -304,13 +309,11 @@ def _first_call_us(setup: dict, x: torch.Tensor, rounds: int = 30) -> float:
                 "one": one,
                 "twice_one": nn.Sequential(*[_Twice(m) if str(i) == alone else m
                                              for i, m in enumerate(copy.deepcopy(model))])}
-    opts = {k: make_optimizer("adamw", list(m.parameters())) for k, m in variants.items()}
 
-    def step(k: str) -> float:
+    def step(k: str) -> float:  # as the main rounds: forward and backward, no optimizer (as the trace)
         t = time.thread_time()
         variants[k](x).sum().backward()
-        opts[k].step()
-        opts[k].zero_grad(set_to_none=True)
+        variants[k].zero_grad(set_to_none=True)
         return (time.thread_time() - t) * 1e6
 
     for k in variants:
@@ -319,8 +322,62 @@ def _first_call_us(setup: dict, x: torch.Tensor, rounds: int = 30) -> float:
     for _ in range(rounds):
         t = {k: step(k) for k in variants}
         extra.append((t["one"] - t["twice_one"]) - (t["all"] - t["twice_all"]) / blocks)
-    # one call alone costs c + F, each of several c + F / blocks
-    return round(max(0.0, statistics.median(extra) * blocks / (blocks - 1)), 2)
+    roots = _gap_roots(setup, [alone]) - _gap_roots(setup, regions) / blocks
+    return round(max(0.0, statistics.median(extra) / roots), 3) if roots > 0 else 0.0
+
+
+def _gap_roots(setup: dict, regions: list[str]) -> float:
+    """:func:`autosac.core.host.gap_roots` of a calibration model's ``regions`` checkpointed."""
+    from autosac.core.host import gap_roots
+    from autosac.solver.problem import build_problem
+
+    stats = setup["stats"]
+    points = [p for c in build_problem(stats).candidates if c.fqn in regions for p in (c.window[0], c.end)]
+    return gap_roots(points, len(stats.timeline.ops))
+
+
+def _state_item_us(setup: dict, x: torch.Tensor, repeats: int = 200, rounds: int = 5) -> float:
+    """``state_item_us``: what a checkpointed call's Python state costs per
+    item (:meth:`autosac.core.pystate.State.items`), timed on the region of a
+    calibration model (``setup``) -- captured at its forward, captured again
+    and swapped in for the replay, put back after: the median of ``rounds``
+    runs of ``repeats``.  Warm (back to back): the cold part is in the other
+    per-call figures."""
+    from autosac.core.pystate import capture
+
+    region = setup["variants"]["twice"][0].region
+    args: tuple = (x,)
+    times = []
+    for _ in range(rounds):
+        t = time.thread_time()
+        for _ in range(repeats):
+            state = capture(region, args, {})
+            after = state.recapture()
+            state.install()
+            after.install()
+        times.append((time.thread_time() - t) / repeats * 1e6)
+    return round(statistics.median(times) / max(1, state.items()), 4)
+
+
+def _without_gaps(figures: dict, models: dict) -> dict:
+    """``checkpoint_call_us`` and ``saved_tensor_us`` as a call costs with no
+    op calls between it and the machinery's last run and no Python state to
+    capture: the rounds fit them to the tiny and the deep model's calls
+    (:func:`_round_figures`), each at its own gaps and with its own state;
+    ``call_gap_us`` and ``state_item_us`` price those (:meth:`HostCosts.checkpoint_ms`)."""
+    k, q = figures.get("call_gap_us", 0.0), figures.get("state_item_us", 0.0)
+    parts = {}
+    for name in ("tiny", "deep"):
+        setup = models[name]
+        regions = [str(i) for i in range(0, 2 * setup["blocks"], 2)]
+        m = setup["stats"].modules["0"]
+        n = m.saved_tensors[0]
+        whole = figures["checkpoint_call_us"] + n * figures["saved_tensor_us"]  # its call, as the rounds fit it
+        known = (k * _gap_roots(setup, regions) / setup["blocks"] if k else 0.0) + q * m.state_items
+        parts[name] = (n, whole - known)
+    (n_t, tiny), (n_d, deep) = parts["tiny"], parts["deep"]
+    saved = max(0.0, (deep - tiny) / max(1, n_d - n_t))
+    return {**figures, "saved_tensor_us": round(saved, 3), "checkpoint_call_us": round(max(0.0, tiny - n_t * saved), 2)}
 
 
 def _cold_read_us_per_mib(small: float, large: float, tensors: int = 16, numel: int = 128 << 10,

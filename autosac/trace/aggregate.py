@@ -279,6 +279,7 @@ def _module_stats(step: TracedStep, live: np.ndarray, times: _Times, saved: _Sav
             saved_tensors=saved_tensors.get(fqn, [0] * len(windows)),
             recompute_starts=recompute_starts.get(fqn, [-1] * len(windows)),
             routed=any(_has_event_in(rec.routed, w) for w in windows),
+            state_items=rec.state_items.get(fqn, 0),
         )
     return modules
 

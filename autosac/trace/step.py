@@ -345,6 +345,8 @@ def _pre_hook(recorder: StepRecorder, fqn: str):
             recorder.rec.io_bytes.setdefault(fqn, [0, 0])[0] += _unique_bytes((args, kwargs))
             found = (recorder.index_of(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
             recorder.rec.input_storages.setdefault(fqn, []).append(sorted({i for i in found if i is not None}))
+            if fqn not in recorder.rec.state_items:  # what a checkpoint of it captures per call (pystate)
+                recorder.rec.state_items[fqn] = capture(module, args, kwargs).items()
 
     return hook
 

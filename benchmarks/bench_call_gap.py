@@ -1,6 +1,6 @@
-"""The once-per-step extra of a checkpointed step (``HostCosts.first_call_us``,
-issue 32), measured on real models beside the calibration's own figure, on
-this CPU, in one run.
+"""A checkpointed call's machinery against the op calls run since the last
+one (``HostCosts.call_gap_us``, issue 32): predicted beside measured on real
+models, on this CPU, in one run.
 
 For each model (predict_suite's dispatch-bound sizes, AdamW, thread CPU
 time), four variants are stepped in interleaved rounds:
@@ -10,14 +10,13 @@ time), four variants are stepped in interleaved rounds:
   twice_one  the middle block's forward run twice, no checkpoint
   twice_all  every block's forward run twice
 
-A block's machinery is its checkpointed step less its run-twice step; the
-extra of a block checkpointed alone over each of ``k`` is
-``(one - twice_one) - (all - twice_all) / k``, scaled by ``k / (k - 1)`` as the
-calibration scales it (:func:`autosac.tools.calibrate._first_call_us`, whose
-figure on its own micro-benchmark is printed beside).  Medians of the
-rounds' differences.
+A plan's machinery is its checkpointed step less its run-twice step (medians
+of the rounds' differences), printed per call beside the plan's own
+``mechanism_ms`` per call: a block alone runs the machinery after the whole
+step's other op calls, each of all blocks after one block's, and costs more.
+The calibration's ``call_gap_us`` (three measurements) closes the table.
 
-    python benchmarks/bench_first_call.py [rounds]
+    python benchmarks/bench_call_gap.py [rounds]
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ import autosac  # noqa: E402
 from autosac.solver import plan_from_decisions  # noqa: E402
 from autosac.tools import calibrate  # noqa: E402
 
-MODELS = {"mlp": "blocks", "autosac-llama": "layers", "hf-llama": "model.layers", "hf-gpt2": "transformer.h"}
+MODELS = {"mlp": "blocks", "autosac-gpt2": "blocks", "autosac-llama": "layers", "hf-llama": "model.layers", "hf-gpt2": "transformer.h"}
 
 
 class _Twice(nn.Module):
@@ -64,19 +63,17 @@ def _twice(model: nn.Module, fqns: list[str]) -> nn.Module:
     return out
 
 
-def first_call_extra(name: str, rounds: int) -> tuple[int, float, float, float]:
-    """``(blocks, machinery per call with all, with one alone, first-call extra)`` in us."""
+def machinery(name: str, rounds: int) -> dict:
+    """Per call, in us: the ``all`` and ``one`` plans' machinery, measured and predicted."""
     build, _ = predict_suite.MODELS[name]
     model, inputs, loss_fn = build(predict_suite._sizes("dispatch"))
     stats = autosac.profile(model, inputs, loss_fn=loss_fn, target="cpu")
     blocks = sorted((f for f in stats.modules if f.rpartition(".")[0] == MODELS[name]),
                     key=lambda f: int(f.rsplit(".", 1)[1]))
     k, mid = len(blocks), blocks[len(blocks) // 2]
-    variants = {
-        "one": autosac.apply(copy.deepcopy(model), plan_from_decisions(stats, {mid: 1.0})),
-        "all": autosac.apply(copy.deepcopy(model), plan_from_decisions(stats, dict.fromkeys(blocks, 1.0))),
-        "twice_one": _twice(model, [mid]), "twice_all": _twice(model, blocks),
-    }
+    plans = {"one": plan_from_decisions(stats, {mid: 1.0}), "all": plan_from_decisions(stats, dict.fromkeys(blocks, 1.0))}
+    variants = {n: autosac.apply(copy.deepcopy(model), p) for n, p in plans.items()}
+    variants.update(twice_one=_twice(model, [mid]), twice_all=_twice(model, blocks))
     opts = {n: torch.optim.AdamW(m.parameters()) for n, m in variants.items()}
 
     def step(n: str) -> float:
@@ -89,27 +86,27 @@ def first_call_extra(name: str, rounds: int) -> tuple[int, float, float, float]:
 
     for n in variants:  # warm-up: optimizer state, first-call caches
         step(n), step(n)
-    per_all, per_one, extra = [], [], []
+    per_all, per_one = [], []
     for _ in range(rounds):
         t = {n: step(n) for n in variants}
         per_all.append((t["all"] - t["twice_all"]) / k)
         per_one.append(t["one"] - t["twice_one"])
-        extra.append(per_one[-1] - per_all[-1])
-    return k, statistics.median(per_all), statistics.median(per_one), statistics.median(extra) * k / (k - 1)
+    return {"blocks": k, "all": statistics.median(per_all), "one": statistics.median(per_one),
+            "all_predicted": plans["all"].mechanism_ms * 1e3 / k, "one_predicted": plans["one"].mechanism_ms * 1e3}
 
 
 def main(argv: list[str]) -> int:
     rounds = int(argv[0]) if argv else 30
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    print(f"first-call extra per step, {rounds} rounds, this CPU, torch {torch.__version__}")
+    print(f"machinery per checkpointed call, measured / predicted, {rounds} rounds, this CPU, torch {torch.__version__}")
     for name in MODELS:
-        k, per_all, per_one, extra = first_call_extra(name, rounds)
-        print(f"{name:14s} {k} blocks  machinery per call: all {per_all:6.0f} us, one alone {per_one:6.0f} us;  "
-              f"first-call extra {extra:5.0f} us", flush=True)
+        r = machinery(name, rounds)
+        print(f"{name:14s} {r['blocks']} blocks  all: {r['all']:5.0f} / {r['all_predicted']:5.0f} us   "
+              f"one alone: {r['one']:5.0f} / {r['one_predicted']:5.0f} us", flush=True)
     models, _, inputs = calibrate._benchmark()
-    figures = [calibrate._first_call_us(models["shallow"], inputs[("shallow", "none")]) for _ in range(3)]
-    print("the calibration's first_call_us, three measurements:", ", ".join(f"{f:.0f}" for f in figures), "us")
+    figures = [calibrate._call_gap_us(models["tiny"], inputs[("shallow", "none")]) for _ in range(3)]
+    print("the calibration's call_gap_us, three measurements:", ", ".join(f"{f:.1f}" for f in figures), "us")
     return 0
 
 
