@@ -218,7 +218,7 @@ def _recompute_extra(stats: ModelStats, m, items: list[list[int]], picks: list[i
 
 
 def _mechanism(stats: ModelStats, m, window, n_items: int, picks: list[int], host: HostCosts,
-               kept_anyway: bool) -> tuple[list[float], float | None]:
+               kept_anyway: bool, roots: float) -> tuple[list[float], float | None]:
     """Per choice, what checkpointing one call of ``fqn`` costs the host
     (:mod:`autosac.tools.calibrate`), and the recompute time of the choice that discards
     everything when it runs plainly (None when it cannot).
@@ -229,14 +229,14 @@ def _mechanism(stats: ModelStats, m, window, n_items: int, picks: list[int], hos
     its whole forward re-run.  Any other choice is selective: the same, plus
     the dispatch modes' cost on every op call of the forward, there and again
     in the replay.  ``kept_anyway``: the module has saved ops no choice
-    discards (:func:`_kept_anyway`), so no choice runs plainly."""
+    discards (:func:`_kept_anyway`), so no choice runs plainly.  ``roots``:
+    the gaps its machinery is priced with (:func:`own_gap_roots`)."""
     can_be_plain = not m.writes_outside and not kept_anyway
     ops = window[1] - window[0]
     saved = m.saved_tensors[0] if m.saved_tensors else 0  # the first call's; the calls run alike
     # where the kernels run on this CPU, large ops cost a selective call's per-op work more (autosac.core.hostsize)
     made = stats.timeline.made_bytes[window[0] : window[1]] if stats.target.get("device_type") == "cpu" else ()
     warm = _warm_ms(stats, window, host) if can_be_plain else 0.0
-    roots = own_gap_roots(m, window)
     mechanism = [host.checkpoint_ms(saved, ops, selective=not (can_be_plain and k == n_items), op_bytes=made,
                                     roots=roots, state_items=m.state_items) for k in picks]
     mechanism = [max(0.0, mech - warm) if can_be_plain and k == n_items else mech for mech, k in zip(mechanism, picks)]
@@ -388,6 +388,7 @@ class _Choices:
     picks: list[int]
     rerun: list[float]
     mechanism: list[float]
+    gap_roots: float = 0.0  # the gaps its mechanism is priced with (own_gap_roots of its first call)
 
 
 def module_candidates(r: Reading, fqn: str) -> list[Candidate]:
@@ -443,7 +444,8 @@ def _choices(r: Reading, fqn: str, m) -> _Choices | None:
     if written:  # choices that keep such a result (cache it) while re-running its reader are not offered
         risky = {i for i in op_ids if stats.saved_ops[i].event in written}
         picks = [k for k in picks if risky <= {i for it in items[:k] for i in it}] or [len(items)]
-    mechanism, whole_ms = _mechanism(stats, m, first, len(items), picks, r.host, bool(kept))
+    roots = own_gap_roots(m, first)
+    mechanism, whole_ms = _mechanism(stats, m, first, len(items), picks, r.host, bool(kept), roots)
     if r.keep_random:  # compiled regions recompute what their graph needs: no plain path
         whole_ms = None
     if m.routed and whole_ms is None:
@@ -454,7 +456,7 @@ def _choices(r: Reading, fqn: str, m) -> _Choices | None:
     mechanism = [max(0.0, mech - credit) for mech in mechanism]
     if r.overlap:  # the host's checkpointing work hides under the kernels it queues: only its excess shows
         mechanism = [max(0.0, mech - t) for mech, t in zip(mechanism, rerun)]
-    return _Choices(calls=calls, items=items, picks=picks, rerun=rerun, mechanism=list(mechanism))
+    return _Choices(calls=calls, items=items, picks=picks, rerun=rerun, mechanism=list(mechanism), gap_roots=roots)
 
 
 def _discard_bytes(op, window) -> int:
@@ -502,5 +504,5 @@ def _call_candidate(r: Reading, fqn: str, m, choices: _Choices, j: int, window, 
         # its parameter casts are in ``hold`` from the replay on (or in the live bytes, re-made there for their use)
         work=[max(0, w + outside - casts) for w in _recompute_extra(stats, m, mine, picks, window)], call=j,
         window=tuple(window), retained=parts, late_holds=[(b, f) for _, b, f in late if f < end],
-        gap_roots=own_gap_roots(m, choices.calls[0][0]),
+        gap_roots=choices.gap_roots,
     )

@@ -290,7 +290,7 @@ def _call_gap_us(setup: dict, x: torch.Tensor, rounds: int = 40) -> float:
     of all of them checkpointed, each set against its forward run twice (the
     median of each round's difference), per square root of the op calls that
     run between the machinery's runs (:func:`autosac.core.host.gap_roots`):
-    one call alone finds it colder.  Measured here: 9-13 us per root, 4 s
+    one call alone finds it colder.  Measured here: 9-19 us per root, 4 s
     (the shallow model's six blocks, 32 roots apart against the tiny model's
     65, read 2.5-8.6 us).  Not checked for noise as the main rounds are."""
     import copy
@@ -332,7 +332,9 @@ def _gap_roots(setup: dict, regions: list[str]) -> float:
     from autosac.solver.problem import build_problem
 
     stats = setup["stats"]
-    points = [p for c in build_problem(stats).candidates if c.fqn in regions for p in (c.window[0], c.end)]
+    if "machinery_points" not in setup:  # each candidate's forward start and replay, read once per model
+        setup["machinery_points"] = {c.fqn: (c.window[0], c.end) for c in build_problem(stats).candidates}
+    points = [p for fqn in regions for p in setup["machinery_points"][fqn]]
     return gap_roots(points, len(stats.timeline.ops))
 
 
