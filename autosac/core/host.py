@@ -26,8 +26,14 @@ _SIGNED = ("backward_untimed_us",)
 _PER_OP = ("op_us", "selective_op_us", "untimed_op_us", "backward_op_us", "backward_untimed_us", "cast_hook_us",
            "cast_remake_us")
 NOISY_KEY = f"{CACHE_KEY}:noisy_until"  # 0: measured clean; else when the noisy figures expire (epoch seconds)
-# cached figures that may be negative (the figures, and the last clean ones: autosac.tools.calibrate)
-SIGNED_CACHE_KEYS = frozenset(f"{CACHE_KEY}:{kind}{f}" for f in _SIGNED for kind in ("", "clean:"))
+# the figures of the last HISTORY_KEPT noisy calibrations, slot i's as f"{HISTORY_KEY}{i}:{figure}"
+# (autosac.tools.calibration_history)
+HISTORY_KEY, HISTORY_KEPT = f"{CACHE_KEY}:history:", 5
+# cached figures that may be negative (the figures, the last clean ones and the kept noisy ones:
+# autosac.tools.calibrate)
+SIGNED_CACHE_KEYS = frozenset(
+    [f"{CACHE_KEY}:{kind}{f}" for f in _SIGNED for kind in ("", "clean:")]
+    + [f"{HISTORY_KEY}{i}:{f}" for f in _SIGNED for i in range(HISTORY_KEPT)])
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ own, whatever the kernels cost:
   machinery (its forward start and its replay), per square root of the op
   calls run since the machinery last ran (:func:`autosac.core.host.gap_roots`):
   its code and data go cold in between, so a call alone costs more than one
-  right after another (:func:`_call_gap_us`); eager, a CPU target's.
+  right after another (:func:`_gap_us`); eager, a CPU target's.
   ``checkpoint_call_us`` and ``saved_tensor_us`` are a call's with no gap.
 * ``state_item_us``: each container and entry of Python state a
   checkpointed call captures, swaps in for its replay and puts back
@@ -62,7 +62,9 @@ checkpointed whole and checkpointed selectively through autosac's own
 applier: each figure a difference of measured times), once per machine: the
 figures are cached with the CPU op timings (:mod:`autosac.trace.timings`).
 Measured on a busy machine they are retried and, where they never settle,
-kept an hour only (:mod:`autosac.core.noise`); :func:`remeasure` or
+kept an hour only (:mod:`autosac.core.noise`), each figure the median over
+the last five such calibrations (:mod:`autosac.tools.calibration_history`);
+:func:`remeasure` or
 ``AUTOSAC_REMEASURE=1`` measure them again.  A plan for another host
 states its figures: ``DeviceSpec(..., host=HostCosts(op_us=..., ...))``.
 
@@ -73,6 +75,8 @@ the trace, for its figures.
 
 from __future__ import annotations
 
+import functools
+import gc
 import logging
 import os
 import statistics
@@ -104,7 +108,8 @@ from autosac.core.noise import (
     share_meter,
     steady,
 )
-from autosac.tools.calibration_models import _Block, _calibration_models, _large_models, _tiny, _Twice
+from autosac.tools.calibration_history import median_costs, recalled, remember
+from autosac.tools.calibration_models import _Block, _calibration_models, _large_models, _tiny
 
 _CALIBRATED: HostCosts | None = None
 
@@ -127,7 +132,8 @@ def calibrate(force: bool = False) -> HostCosts:
     checkpointed selectively (its first matmul cached, the rest recomputed);
     6 regions of three such blocks and 24 regions of one Linear each (two
     sizes of checkpointed call, which tell the per-call cost from the
-    per-saved-tensor one), checkpointed whole; each model also with each
+    per-saved-tensor one), checkpointed whole, and the tiny model's middle
+    region checkpointed alone (``call_gap_us``); each model also with each
     region's forward run twice (what a checkpoint re-runs, without its
     machinery); and the shallow model again at width 256 (4x128, two regions),
     for the per-MiB figures (:mod:`autosac.core.hostsize`).  Rounds of one
@@ -141,8 +147,9 @@ def calibrate(force: bool = False) -> HostCosts:
     or about 20 s.  Figures that never settled, or were measured with several torch
     threads while other processes kept the cores they needed busy, are noisy:
     where this machine's figures were measured clean before, those are kept;
-    else the noisy ones are used, with one logged warning, and kept on disk
-    for an hour only.  ``force=True``, ``AUTOSAC_REMEASURE=1``
+    else each figure's median over the last five noisy calibrations (this
+    one's included) is used, with one logged warning, and kept on disk for
+    an hour only.  ``force=True``, ``AUTOSAC_REMEASURE=1``
     or :func:`remeasure` measure them again.
 
     Example::
@@ -169,15 +176,7 @@ def calibrate(force: bool = False) -> HostCosts:
         return _CALIBRATED
     if isinstance(got, HostCosts):  # a stand-in measurement (tests): clean
         got = Measured(got)
-    clean = _cached(cache, prefix=_CLEAN) if got.noisy else None
-    if got.noisy:  # logged, not warned: a busy machine is no error a warnings filter should raise
-        logging.getLogger("autosac").warning(
-            "autosac: this machine was busy while measuring its host costs (%s, after %d rounds): %s",
-            "; ".join(got.noisy), got.rounds,
-            "the figures measured on a quiet machine before are kept" if clean is not None else
-            f"plans use them, and they are measured again after {NOISY_LIFETIME_S / 3600:g} h, or at once with "
-            "AUTOSAC_REMEASURE=1 or autosac.tools.calibrate.remeasure()")
-    costs = clean if clean is not None else got.costs
+    costs, clean = _settled(cache, got)
     for name, value in costs.to_dict().items():
         cache.put(f"{CACHE_KEY}:{name}", value)
         if not got.noisy:  # the last clean figures, which a noisy measurement later does not replace
@@ -189,6 +188,30 @@ def calibrate(force: bool = False) -> HostCosts:
 
 
 _CLEAN = f"{CACHE_KEY}:clean:"  # the last figures measured on a quiet machine
+
+
+def _settled(cache, got: Measured) -> tuple[HostCosts, HostCosts | None]:
+    """The figures to use after measuring ``got``, and the clean ones kept
+    from before (None: none, or ``got`` is clean).  Noisy: the clean ones
+    where there are some, else each figure's median over the last noisy
+    calibrations, ``got``'s included (:mod:`autosac.tools.calibration_history`),
+    with one logged line -- not a warning: a busy machine is no error a
+    warnings filter should raise."""
+    if not got.noisy:
+        return got.costs, None
+    clean = _cached(cache, prefix=_CLEAN)
+    kept: list[HostCosts] = []
+    if clean is None:
+        remember(cache, got.costs)
+        kept = recalled(cache) or [got.costs]
+    logging.getLogger("autosac").warning(
+        "autosac: this machine was busy while measuring its host costs (%s, after %d rounds): %s",
+        "; ".join(got.noisy), got.rounds,
+        "the figures measured on a quiet machine before are kept" if clean is not None else
+        f"plans use each figure's median over the last {len(kept)} such measurements, and they are measured "
+        f"again after {NOISY_LIFETIME_S / 3600:g} h, or at once with AUTOSAC_REMEASURE=1 or "
+        "autosac.tools.calibrate.remeasure()")
+    return (clean, clean) if clean is not None else (median_costs(kept), None)
 
 
 def _cached(cache, prefix: str = f"{CACHE_KEY}:") -> HostCosts | None:
@@ -246,7 +269,8 @@ def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, r
     models, variants, inputs = _benchmark(regions, width, batch, seq)
     _take_round(variants, inputs)  # warm-up
     others = others_meter()
-    got = steady(lambda: _take_round(variants, inputs), lambda taken: _estimate(models, taken), _scale, rounds=rounds,
+    scale = functools.partial(_scale, gap_roots=models["tiny"]["gap_roots"])
+    got = steady(lambda: _take_round(variants, inputs), lambda taken: _estimate(models, taken), scale, rounds=rounds,
                  max_rounds=max_rounds, deadline_s=deadline_s)
     reasons = []
     if got.disagreeing:
@@ -256,8 +280,7 @@ def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, r
     busy, threads = others(), torch.get_num_threads()
     if contended(threads, busy):
         reasons.append(f"other processes kept {busy:.1f} of {os.cpu_count()} cores busy beside {threads} torch threads")
-    figures = dict(got.figures)
-    figures["call_gap_us"] = _call_gap_us(models["tiny"], inputs[("shallow", "none")])
+    figures = {**got.figures, "call_gap_us": max(0.0, got.figures["call_gap_us"])}
     figures["state_item_us"] = _state_item_us(models["deep"], inputs[("shallow", "none")])
     figures = _without_gaps(figures, models)
     if figures.get("large_op_bytes"):
@@ -274,56 +297,17 @@ def _benchmark(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32)
         models = {
             "shallow": _calibration_models(lambda: _Block(width, 1), regions, x, selective=True, casts=True),
             "deep": _calibration_models(lambda: _Block(width, 3), regions, x),
-            "tiny": _calibration_models(lambda: _tiny(width), 4 * regions, x),
+            "tiny": _calibration_models(lambda: _tiny(width), 4 * regions, x, alone=True),
         }
         models["large"], x_large = _large_models()
+    tiny = models["tiny"]
+    every = [str(i) for i in range(0, 2 * tiny["blocks"], 2)]
+    # how many more roots of gap the lone call's machinery runs at than each call of all of them
+    tiny["gap_roots"] = _gap_roots(tiny, [tiny["alone"]]) - _gap_roots(tiny, every) / tiny["blocks"]
     # rounds interleaved across the models: drift hits them alike
     variants = {(size, k): m for size, setup in models.items() for k, m in setup["variants"].items()}
     inputs = {key: x_large if key[0] == "large" else x for key in variants}
     return models, variants, inputs
-
-
-def _call_gap_us(setup: dict, x: torch.Tensor, rounds: int = 40) -> float:
-    """``call_gap_us`` (:meth:`HostCosts.gap_us`): in the tiny calibration
-    model (``setup``: 24 small regions, each followed by a transformer
-    block), what its middle region checkpointed alone costs beyond each call
-    of all of them checkpointed, each set against its forward run twice (the
-    median of each round's difference), per square root of the op calls that
-    run between the machinery's runs (:func:`autosac.core.host.gap_roots`):
-    one call alone finds it colder.  Measured here: 9-19 us per root, 4 s
-    (the shallow model's six blocks, 32 roots apart against the tiny model's
-    65, read 2.5-8.6 us).  Not checked for noise as the main rounds are."""
-    import copy
-
-    import autosac.applier
-    from autosac.solver import plan_from_decisions
-
-    blocks = setup["blocks"]
-    model = nn.Sequential(*[m.region if isinstance(m, _Twice) else m for m in setup["variants"]["twice"]])
-    regions = [str(i) for i in range(0, 2 * blocks, 2)]
-    alone = regions[blocks // 2]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        one = autosac.applier.apply(copy.deepcopy(model), plan_from_decisions(setup["stats"], {alone: 1.0}))
-    variants = {"all": copy.deepcopy(setup["variants"]["whole"]), "twice_all": copy.deepcopy(setup["variants"]["twice"]),
-                "one": one,
-                "twice_one": nn.Sequential(*[_Twice(m) if str(i) == alone else m
-                                             for i, m in enumerate(copy.deepcopy(model))])}
-
-    def step(k: str) -> float:  # as the main rounds: forward and backward, no optimizer (as the trace)
-        t = time.thread_time()
-        variants[k](x).sum().backward()
-        variants[k].zero_grad(set_to_none=True)
-        return (time.thread_time() - t) * 1e6
-
-    for k in variants:
-        step(k)
-    extra = []  # each round's own difference: the VM's drift moves a round's variants alike
-    for _ in range(rounds):
-        t = {k: step(k) for k in variants}
-        extra.append((t["one"] - t["twice_one"]) - (t["all"] - t["twice_all"]) / blocks)
-    roots = _gap_roots(setup, [alone]) - _gap_roots(setup, regions) / blocks
-    return round(max(0.0, statistics.median(extra) / roots), 3) if roots > 0 else 0.0
 
 
 def _gap_roots(setup: dict, regions: list[str]) -> float:
@@ -460,11 +444,24 @@ def _round_figures(models: dict, samples: dict) -> dict[str, float]:
     call_us = max(0.0, tiny["mechanism_us"] - tiny["saved"] * saved_us)
     selective_us = max(0.0, shallow["selective_us"] / (2 * shallow["ops"]))
     small = {"op_us": round(shallow["op_us"], 3), "checkpoint_call_us": round(call_us, 2),
+             "call_gap_us": round(_gap_us(models["tiny"], tiny), 3) if "alone_us" in tiny else 0.0,
              "saved_tensor_us": round(saved_us, 3), "selective_op_us": round(selective_us, 3),
              "untimed_op_us": round(shallow["untimed_op_us"], 3), "backward_op_us": round(shallow["backward_op_us"], 3),
              "backward_untimed_us": round(shallow["backward_untimed_us"], 3),
              "cast_hook_us": round(shallow.get("cast_us", 0.0), 3), "cast_remake_us": round(shallow.get("remake_us", 0.0), 3)}
     return small if large is None else {**small, **_large_figures(models, small, large)}
+
+
+def _gap_us(setup: dict, tiny: dict) -> float:
+    """``call_gap_us`` (:meth:`HostCosts.gap_us`) in one round: what the tiny
+    model's middle region checkpointed alone (``setup["alone"]``) costs
+    beyond each call of all of them checkpointed (``tiny``: its round's
+    figures, each set against its forward run twice), per square root of the
+    op calls more that run between the machinery's runs
+    (:func:`autosac.core.host.gap_roots`): one call alone finds it colder.
+    Measured here: 9-19 us per root (may be negative in one round)."""
+    roots = setup["gap_roots"]
+    return (tiny["alone_us"] - tiny["mechanism_us"]) / roots if roots > 0 else 0.0
 
 
 def _large_figures(models: dict, small: dict, large: dict) -> dict[str, float]:
@@ -476,11 +473,17 @@ def _large_figures(models: dict, small: dict, large: dict) -> dict[str, float]:
     return {"small_op_bytes": round(small_bytes), "large_op_bytes": round(large_bytes), **extras}
 
 
-def _scale(figures: dict[str, float], name: str) -> float:
+def _scale(figures: dict[str, float], name: str, gap_roots: float = 0.0) -> float:
     """What a figure's noise is measured against: an op call's host time for
     the per-op figures (a small or signed part of it need not agree to 10 %
-    of itself), else the figure itself."""
-    return figures["op_us"] if name in _PER_OP else 0.0
+    of itself); for ``call_gap_us``, the lone call it prices, per root of its
+    gap (``gap_roots``: how many more than each call of all); else the
+    figure itself."""
+    if name in _PER_OP:
+        return figures["op_us"]
+    if name == "call_gap_us" and gap_roots > 0:
+        return figures["checkpoint_call_us"] / gap_roots + abs(figures["call_gap_us"])
+    return 0.0
 
 
 def _figures(setup: dict, times: dict[str, float], forwards: dict[str, float]) -> dict:
@@ -496,6 +499,8 @@ def _figures(setup: dict, times: dict[str, float], forwards: dict[str, float]) -
     w0, w1 = stats.modules["0"].fw_windows[0]
     out = {"ops": w1 - w0, "saved": stats.modules["0"].saved_tensors[0],
            "mechanism_us": (times["whole"] - times["twice"]) / blocks * 1e3}
+    if "one" in times:  # the middle region's call alone among plain layers
+        out["alone_us"] = (times["one"] - times["twice_one"]) * 1e3
     if "none" in times:
         # the blocks are narrow: their kernels' compute is a small part of the step,
         # which is nearly all host time (a slight overestimate of the host's part)
@@ -540,10 +545,22 @@ def _take_round(variants: dict, x: torch.Tensor, repeats: int = 1) -> dict:
         return (t1 - t0) * 1e3, (tick() - t0) * 1e3
 
     samples = {name: [] for name in variants}
-    for _ in range(repeats):
-        for name, m in variants.items():
-            samples[name].append(step(m, x[name] if isinstance(x, dict) else x))
+    collecting = gc.isenabled()
+    gc.disable()  # a collection of the whole heap inside one timed step is no host cost of it (as timeit)
+    try:
+        for _ in range(repeats):
+            for name, m in variants.items():
+                for _ in range(_SAMPLES.get(name, 1)):
+                    samples[name].append(step(m, x[name] if isinstance(x, dict) else x))
+    finally:
+        if collecting:
+            gc.enable()
     return samples, share()
+
+
+# variants sampled more than once a round (the least taken): the lone call's figure is one call's
+# difference on a 10 ms step, where the others are six or more calls'
+_SAMPLES = {("tiny", "one"): 3, ("tiny", "twice_one"): 3}
 
 
 __all__ = ["HostCosts", "calibrate", "host_costs", "noisy_until", "remeasure"]

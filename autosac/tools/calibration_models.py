@@ -73,12 +73,15 @@ def _large_models() -> tuple[dict, torch.Tensor]:
     return _calibration_models(lambda: _Block(LARGE_WIDTH, 1), LARGE_REGIONS, x, selective=True), x
 
 
-def _calibration_models(region, blocks: int, x: torch.Tensor, selective: bool = False, casts: bool = False) -> dict:
+def _calibration_models(region, blocks: int, x: torch.Tensor, selective: bool = False, casts: bool = False,
+                        alone: bool = False) -> dict:
     """One calibration model (``blocks`` regions, each made by ``region()``
     and followed by a plain layer), its profile, and its variants: plain (where ``selective``), each region's
     forward run twice, every region checkpointed whole, (``selective``)
-    every region caching its first matmul, and (``casts``) the plain model
-    under the parameter-cast hook of a plan with casts."""
+    every region caching its first matmul, (``casts``) the plain model
+    under the parameter-cast hook of a plan with casts, and (``alone``) the
+    middle region alone checkpointed (``one``) or run twice (``twice_one``):
+    ``setup["alone"]`` names it."""
     import copy
     import warnings
     from dataclasses import replace
@@ -110,6 +113,13 @@ def _calibration_models(region, blocks: int, x: torch.Tensor, selective: bool = 
                 d.skip = []
             variants["selective"] = autosac.applier.apply(copy.deepcopy(model), partial)
     setup = {"stats": stats, "variants": variants, "blocks": blocks}
+    if alone:  # one call among plain layers: the machinery runs cold (autosac.core.host.gap_roots)
+        setup["alone"] = one = regions[blocks // 2]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            variants["one"] = autosac.applier.apply(copy.deepcopy(model), plan_from_decisions(stats, {one: 1.0}))
+        variants["twice_one"] = nn.Sequential(*[_Twice(r) if str(i) == one else r
+                                                for i, r in enumerate(copy.deepcopy(model))])
     if casts:  # plain, under the cast hook; and both again under autocast, where it packs parameter casts
         for name, autocast, hooked in (("casts", False, True), ("ac_none", True, False), ("ac_casts", True, True)):
             variants[name] = _CastHooked(copy.deepcopy(model), autocast, hooked)
