@@ -81,16 +81,20 @@ def parts(name: str, rounds: int, steps: int, budget: str = "least", regime: str
     variants["plan"] = autosac.apply(copy.deepcopy(model), plan)
     if base is None:
         variants.pop("given")
-    cpu, _, _ = ps._timed(variants, inputs, loss_fn, rounds, steps)
+    timed = ps._timed(variants, inputs, loss_fn, rounds, steps)
+
+    def diff(a: str, b: str) -> float:  # round by round (ps.paired)
+        return ps.paired(timed.rounds, a, b, ratio=False)
+
     rerun = plan.recompute_ms - plan.mechanism_ms
     return {
         "model": f"{name} ({regime}, {budget}, {len(plan.decisions)} regions)",
-        "step": (plan.baseline_step_ms, cpu["base"]),
-        "cache": (None, cpu["given"] - cpu["base"]) if "given" in cpu else None,  # None: it fills no cache
-        "rerun": (rerun, cpu["twice"] - cpu["base"]),
-        "machinery": (plan.mechanism_ms, cpu["plan"] - cpu["twice"]),
-        "increment": (plan.recompute_ms, cpu["plan"] - cpu["base"]),
-        "overhead": (plan.step_ms / plan.baseline_step_ms - 1, cpu["plan"] / cpu["base"] - 1),
+        "step": (plan.baseline_step_ms, timed.cpu["base"]),
+        "cache": (None, diff("given", "base")) if "given" in timed.cpu else None,  # None: it fills no cache
+        "rerun": (rerun, diff("twice", "base")),
+        "machinery": (plan.mechanism_ms, diff("plan", "twice")),
+        "increment": (plan.recompute_ms, diff("plan", "base")),
+        "overhead": (plan.step_ms / plan.baseline_step_ms - 1, ps.paired(timed.rounds, "plan", "base")),
     }
 
 

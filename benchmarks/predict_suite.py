@@ -10,7 +10,8 @@ loop), solve the least budget and a mid budget (halfway between the least
 peak and the unmodified peak), apply each plan to a copy, check that it keeps
 its budget (the measured peak, :func:`autosac.measure`) and that one training
 step is bitwise the unmodified one's (``tests/suite.py``), then time the
-unmodified model and both plans in interleaved rounds (medians).  The
+unmodified model and both plans in interleaved rounds (the measured overhead:
+the median over the rounds of each round's ratio, :func:`paired`).  The
 predicted overhead is ``plan.step_ms / plan.baseline_step_ms - 1``; the
 target is within 20 % of the measured one, relative, or 3 points, whichever
 is larger.
@@ -60,6 +61,7 @@ import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -254,10 +256,32 @@ MODELS = {
 
 
 # ------------------------------------------------------------------ measuring
-def _timed(variants: dict, inputs, loss_fn, rounds: int, steps: int, autocast=None) -> tuple[dict, dict, dict]:
+class Timed(NamedTuple):
+    """What :func:`_timed` measured per variant: medians over every timed step
+    (CPU ms of this thread, wall ms, page faults), and each round's median
+    CPU ms (``rounds``), which :func:`paired` sets against each other."""
+
+    cpu: dict
+    wall: dict
+    faults: dict
+    rounds: dict
+
+
+def paired(rounds: dict, k: str, ref: str, ratio: bool = True) -> float:
+    """How ``k``'s step compares with ``ref``'s, round by round: the median
+    over the rounds of their ratio less one (``ratio``), or of their
+    difference in ms.  This VM's speed drifts by 20-40 % over tens of
+    seconds, alike for variants run moments apart: medians taken over all
+    the rounds apart mixed moments (an empty plan measured 11 % faster than
+    its model once), the ratios within one round do not."""
+    pairs = zip(rounds[k], rounds[ref])
+    return statistics.median(a / b - 1 if ratio else a - b for a, b in pairs)
+
+
+def _timed(variants: dict, inputs, loss_fn, rounds: int, steps: int, autocast=None) -> Timed:
     """Median CPU ms (this thread), median wall ms and median page faults of
     one training step (forward, loss, backward, AdamW) per variant, over
-    interleaved rounds."""
+    interleaved rounds, and each round's median CPU ms per variant."""
     args, kwargs = (inputs, {}) if not isinstance(inputs, dict) else ((), inputs)
     args = args if isinstance(args, tuple) else (args,)
     opts = {k: make_optimizer("adamw", [p for p in m.parameters() if p.requires_grad]) for k, m in variants.items()}
@@ -275,6 +299,7 @@ def _timed(variants: dict, inputs, loss_fn, rounds: int, steps: int, autocast=No
     cpu: dict = {k: [] for k in variants}
     wall: dict = {k: [] for k in variants}
     faults: dict = {k: [] for k in variants}
+    per_round: dict = {k: [] for k in variants}
     for k, m in variants.items():
         step(k, m)  # optimizer state
     order = list(variants.items())
@@ -287,7 +312,8 @@ def _timed(variants: dict, inputs, loss_fn, rounds: int, steps: int, autocast=No
                 cpu[k].append((time.thread_time() - c) * 1e3)
                 wall[k].append((time.perf_counter() - w) * 1e3)
                 faults[k].append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f)
-    return tuple({k: statistics.median(v) for k, v in d.items()} for d in (cpu, wall, faults))
+            per_round[k].append(statistics.median(cpu[k][-steps:]))
+    return Timed(*({k: statistics.median(v) for k, v in d.items()} for d in (cpu, wall, faults)), per_round)
 
 
 def without_cache(model, inputs):
@@ -344,15 +370,15 @@ def run_model(name: str, regime: str, rounds: int, steps: int, autocast=None) ->
         rows.append(Row(name, regime, label, predicted=plan.step_ms / plan.baseline_step_ms - 1,
                         kept=peak <= plan.budget_bytes, bitwise=bitwise, plan=_describe(plan)))
         variants[label] = planned
-    cpu, wall, faults = _timed(variants, inputs, loss_fn, rounds, steps, autocast)
+    cpu, wall, faults, per_round = _timed(variants, inputs, loss_fn, rounds, steps, autocast)
     ref = "base" if base is not None else "none"
     for row in rows:
-        row.measured = cpu[row.budget] / cpu[ref] - 1
+        row.measured = paired(per_round, row.budget, ref)
         row.wall = wall[row.budget] / wall[ref] - 1
         row.note = (f"step {cpu[ref]:.1f} ms (predicted {stats.step_ms:.1f}); page faults a step "
                     f"{faults[ref]:.0f}, planned {faults[row.budget]:.0f}")
         if base is not None:
-            row.as_given = cpu[row.budget] / cpu["none"] - 1
+            row.as_given = paired(per_round, row.budget, "none")
             row.note += f"; cache on {cpu['none']:.1f} ms"
     return rows
 
@@ -396,7 +422,9 @@ def main(argv=None) -> int:
     ap.add_argument("--models", help="comma-separated names (default: all): " + ", ".join(MODELS))
     ap.add_argument("--regimes", default="dispatch,compute", help="dispatch, compute or both (default)")
     ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}, fewer rounds")
-    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 8, --quick 4)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="interleaved rounds, one timed step of each variant in each (default: 24 dispatch-bound, "
+                         "16 compute-bound; --quick half)")
     ap.add_argument("--out", help="also write the table to this file")
     ap.add_argument("--autocast", choices=("bf16",), help="plan and run under CPU autocast (bfloat16)")
     ap.add_argument("--glibc-returns", action="store_true",
@@ -411,7 +439,6 @@ def main(argv=None) -> int:
     regimes = [r for r in a.regimes.split(",") if r]
     if any(r not in BOTH for r in regimes):
         ap.error("--regimes takes dispatch, compute or both")
-    rounds = a.rounds or (4 if a.quick else 8)
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     print(f"host figures: {calibrate()}", file=sys.stderr)
@@ -424,9 +451,9 @@ def main(argv=None) -> int:
             if regime not in MODELS[name][1]:
                 continue
             t0 = time.perf_counter()
-            steps = 5 if regime == "dispatch" else 2
+            rounds = a.rounds or (24 if regime == "dispatch" else 16) // (2 if a.quick else 1)
             try:
-                got = run_model(name, regime, rounds, steps, torch.bfloat16 if a.autocast else None)
+                got = run_model(name, regime, rounds, 1, torch.bfloat16 if a.autocast else None)
             except Exception as e:  # noqa: BLE001 - one model's failure is a row, not the end of the run
                 traceback.print_exc(file=sys.stderr)
                 got = [Row(name, regime, "-", note=f"failed: {type(e).__name__}: {str(e)[:120]}")]
@@ -435,7 +462,8 @@ def main(argv=None) -> int:
                 print(f"{r.model} {r.regime} {r.budget}: predicted {_pct(r.predicted)} measured {_pct(r.measured)} "
                       f"(wall {_pct(r.wall)}) kept {r.kept} bitwise {r.bitwise} [{time.perf_counter() - t0:.0f} s]",
                       file=sys.stderr, flush=True)
-    text = table(rows) + (f"\n\n({len(names)} models, {rounds} rounds, {time.perf_counter() - started:.0f} s, "
+    text = table(rows) + (f"\n\n({len(names)} models, {a.rounds or '24 and 16'} rounds, "
+                          f"{time.perf_counter() - started:.0f} s, "
                           f"{kept}{', bf16 autocast' if a.autocast else ''})")
     print(text)
     if a.out:
