@@ -185,6 +185,24 @@ def test_the_call_gap_figure_is_judged_against_the_lone_call_it_prices():
     assert noise.disagreeing(a, b, host._scale) == ("call_gap_us",)
 
 
+def test_inside_retimed_each_op_is_timed_again_once_and_kept_as_measured(fresh):
+    """The calibration sets measured steps against its ops' timings: inside
+    ``retimed()`` a cached timing is measured again (once per key) and the new
+    one kept, even where it is the larger -- not the lesser of the two."""
+    cache = TimingCache()
+    assert cache.timed("op", lambda: (1.0, False), expected_ms=1.0) == 1.0
+    assert cache.timed("op", lambda: pytest.fail("cached"), expected_ms=1.0) == 1.0
+    calls = []
+    with timings.retimed():
+        assert cache.timed("op", lambda: calls.append(1) or (1.4, False), expected_ms=1.0) == 1.4
+        assert cache.timed("op", lambda: calls.append(2) or (9.0, False), expected_ms=1.0) == 1.4  # once per key
+        assert cache.timed("new", lambda: calls.append(3) or (2.0, True), expected_ms=1.0) == 2.0
+    assert calls == [1, 3]
+    assert cache.timed("op", lambda: pytest.fail("cached"), expected_ms=1.0) == 1.4  # kept after
+    with timings.retimed():  # a second context times again
+        assert cache.timed("op", lambda: (1.2, False), expected_ms=1.0) == 1.2
+
+
 def test_a_noisy_op_timing_expires(fresh):
     cache = TimingCache()
     assert cache.timed("op", lambda: (2.0, True), expected_ms=1.0) == 2.0

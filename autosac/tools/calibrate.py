@@ -265,8 +265,15 @@ def remeasure(ops: bool = True) -> HostCosts:
 def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, rounds: int = 12,
              max_rounds: int = 48, deadline_s: float = 20.0) -> Measured:
     """This machine's figures (see :func:`calibrate`), measured until two
-    halves of the rounds agree (:func:`autosac.core.noise.steady`), bounded."""
-    models, variants, inputs = _benchmark(regions, width, batch, seq)
+    halves of the rounds agree (:func:`autosac.core.noise.steady`), bounded.
+    The models' op timings are taken again first (:func:`autosac.trace.timings.retimed`):
+    the figures are measured steps less those timings, which must be of the
+    same minute (cached ones from an hour before, on this VM, gave
+    ``untimed_us_per_mib`` 110-481 where timings taken anew gave 0-179)."""
+    from autosac.trace.timings import retimed
+
+    with retimed():
+        models, variants, inputs = _benchmark(regions, width, batch, seq)
     _take_round(variants, inputs)  # warm-up
     others = others_meter()
     scale = functools.partial(_scale, gap_roots=models["tiny"]["gap_roots"])
