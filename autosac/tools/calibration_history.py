@@ -53,7 +53,7 @@ def median_costs(measured: list[HostCosts]) -> HostCosts:
     figures = {}
     for name in dicts[0]:
         values = [d[name] for d in dicts if d[name] is not None]
-        figures[name] = statistics.median(values) if values else None
+        figures[name] = round(statistics.median(values), 4) if values else None
     return HostCosts(**figures)
 
 
