@@ -308,9 +308,8 @@ def _benchmark(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32)
         }
         models["large"], x_large = _large_models()
     tiny = models["tiny"]
-    every = [str(i) for i in range(0, 2 * tiny["blocks"], 2)]
     # how many more roots of gap the lone call's machinery runs at than each call of all of them
-    tiny["gap_roots"] = _gap_roots(tiny, [tiny["alone"]]) - _gap_roots(tiny, every) / tiny["blocks"]
+    tiny["gap_roots"] = _gap_roots(tiny, [tiny["alone"]]) - _gap_roots(tiny, tiny["regions"]) / tiny["blocks"]
     # rounds interleaved across the models: drift hits them alike
     variants = {(size, k): m for size, setup in models.items() for k, m in setup["variants"].items()}
     inputs = {key: x_large if key[0] == "large" else x for key in variants}
@@ -362,11 +361,10 @@ def _without_gaps(figures: dict, models: dict) -> dict:
     parts = {}
     for name in ("tiny", "deep"):
         setup = models[name]
-        regions = [str(i) for i in range(0, 2 * setup["blocks"], 2)]
         m = setup["stats"].modules["0"]
         n = m.saved_tensors[0]
         whole = figures["checkpoint_call_us"] + n * figures["saved_tensor_us"]  # its call, as the rounds fit it
-        known = (k * _gap_roots(setup, regions) / setup["blocks"] if k else 0.0) + q * m.state_items
+        known = (k * _gap_roots(setup, setup["regions"]) / setup["blocks"] if k else 0.0) + q * m.state_items
         parts[name] = (n, whole - known)
     (n_t, tiny), (n_d, deep) = parts["tiny"], parts["deep"]
     saved = max(0.0, (deep - tiny) / max(1, n_d - n_t))

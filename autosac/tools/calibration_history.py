@@ -20,8 +20,7 @@ import statistics
 from autosac.core.host import _FIELDS, HISTORY_KEPT, HISTORY_KEY, HostCosts
 
 KEPT = HISTORY_KEPT  # noisy calibrations whose figures are kept for the median
-_PREFIX = HISTORY_KEY
-_NEXT = f"{_PREFIX}next"  # the slot the next calibration's figures go in (0 .. KEPT-1)
+_NEXT = f"{HISTORY_KEY}next"  # the slot the next calibration's figures go in (0 .. KEPT-1)
 
 
 def remember(cache, costs: HostCosts) -> None:
@@ -30,7 +29,7 @@ def remember(cache, costs: HostCosts) -> None:
     slot = int(cache.get(_NEXT) or 0) % KEPT
     for name, value in costs.to_dict().items():
         if value is not None:
-            cache.put(f"{_PREFIX}{slot}:{name}", value)
+            cache.put(f"{HISTORY_KEY}{slot}:{name}", value)
     cache.put(_NEXT, (slot + 1) % KEPT)
 
 
@@ -38,7 +37,7 @@ def recalled(cache) -> list[HostCosts]:
     """The figures of the noisy calibrations kept in ``cache`` (slots missing a figure are left out)."""
     out = []
     for slot in range(KEPT):
-        found = {f: cache.get(f"{_PREFIX}{slot}:{f}") for f in _FIELDS}
+        found = {f: cache.get(f"{HISTORY_KEY}{slot}:{f}") for f in _FIELDS}
         if all(v is not None for v in found.values()):
             try:
                 out.append(HostCosts(**found))

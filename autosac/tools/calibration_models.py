@@ -101,7 +101,7 @@ def _calibration_models(region, blocks: int, x: torch.Tensor, selective: bool = 
     spec = replace(DEVICES["cpu"], host=HostCosts())  # zero host costs: no calibration inside the calibration
     stats = autosac.trace.profile(model, x, target=spec, optimizer="none", output_held=False)
     whole = plan_from_decisions(stats, dict.fromkeys(regions, 1.0))
-    variants = {"twice": nn.Sequential(*[_Twice(r) if i % 2 == 0 else r for i, r in enumerate(copy.deepcopy(model))])}
+    variants = {"twice": _twice(model, regions)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         variants["whole"] = autosac.applier.apply(copy.deepcopy(model), whole)
@@ -112,20 +112,26 @@ def _calibration_models(region, blocks: int, x: torch.Tensor, selective: bool = 
                 d.save = [next(i for i, (op, _) in enumerate(d.calls) if op == "addmm")]
                 d.skip = []
             variants["selective"] = autosac.applier.apply(copy.deepcopy(model), partial)
-    setup = {"stats": stats, "variants": variants, "blocks": blocks}
+    setup = {"stats": stats, "variants": variants, "blocks": blocks, "regions": regions}
     if alone:  # one call among plain layers: the machinery runs cold (autosac.core.host.gap_roots)
         setup["alone"] = one = regions[blocks // 2]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             variants["one"] = autosac.applier.apply(copy.deepcopy(model), plan_from_decisions(stats, {one: 1.0}))
-        variants["twice_one"] = nn.Sequential(*[_Twice(r) if str(i) == one else r
-                                                for i, r in enumerate(copy.deepcopy(model))])
+        variants["twice_one"] = _twice(model, [one])
     if casts:  # plain, under the cast hook; and both again under autocast, where it packs parameter casts
         for name, autocast, hooked in (("casts", False, True), ("ac_none", True, False), ("ac_casts", True, True)):
             variants[name] = _CastHooked(copy.deepcopy(model), autocast, hooked)
         setup["autocast_saves"] = variants["ac_none"].count_saves(x)
         setup["cast_op_us"] = _cast_op_us(model)
     return setup
+
+
+def _twice(model: nn.Sequential, regions: list[str]) -> nn.Sequential:
+    """A copy of ``model`` whose ``regions`` (names of its children) each run their forward twice."""
+    import copy
+
+    return nn.Sequential(*[_Twice(r) if str(i) in regions else r for i, r in enumerate(copy.deepcopy(model))])
 
 
 def _cast_op_us(model: nn.Module, repeats: int = 20) -> float:

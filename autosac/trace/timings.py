@@ -147,12 +147,12 @@ class TimingCache:
         one (an op slower than its roofline times alike twice; two timings
         inflated by other processes seldom agree, and are timed again at the
         next use)."""
-        ms = self.get(key)
         if _RETIMING and key not in _RETIMING[-1]:  # timed again now, kept as measured
             _RETIMING[-1].add(key)
             fresh, noisy = time_op()
             self.put(key, fresh, bool(noisy))
             return fresh
+        ms = self.get(key)
         if ms is not None and (self.get(key + CHECKED) or not is_outlier(ms, expected_ms)):
             return ms
         fresh, noisy = time_op()
