@@ -485,3 +485,18 @@ def test_each_figure_is_the_median_of_its_rounds_figures(fresh):
     least_apart = {k: [min((s for r in rounds for s in r[k]), key=lambda s: s[1])] for k in real}
     mixed = host._estimate(models, [least_apart])  # the least of each variant, from any round: as before
     assert abs(mixed["checkpoint_call_us"] / steady["checkpoint_call_us"] - 1) > 0.2
+
+
+def test_a_lone_call_measured_beyond_its_calls_sum_is_capped(fresh):
+    """``call_gap_us`` may take at most 90 % of the tiny model's each-of-all call:
+    a figure that would leave no fixed cost is noise (a busy machine read 38 us
+    and ``checkpoint_call_us`` 0), a quiet machine's is kept as measured."""
+    models, _, _ = host._benchmark(regions=2)
+    figures = {"checkpoint_call_us": 400.0, "saved_tensor_us": 20.0, "call_gap_us": 1000.0, "state_item_us": 0.2}
+    capped = host._without_gaps(dict(figures), models)
+    assert 0 < capped["call_gap_us"] < 1000.0 and capped["checkpoint_call_us"] >= 0
+    tiny = models["tiny"]
+    gap_part = capped["call_gap_us"] * host._gap_roots(tiny, tiny["regions"]) / tiny["blocks"]
+    own = 400.0 + 20.0 * tiny["stats"].modules["0"].saved_tensors[0] - 0.2 * tiny["stats"].modules["0"].state_items
+    assert gap_part == pytest.approx(0.9 * own, rel=1e-3)
+    assert host._without_gaps({**figures, "call_gap_us": 1.0}, models)["call_gap_us"] == 1.0
