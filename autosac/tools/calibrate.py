@@ -109,7 +109,7 @@ from autosac.core.noise import (
     steady,
 )
 from autosac.tools.calibration_history import median_costs, recalled, remember
-from autosac.tools.calibration_models import _Block, _calibration_models, _large_models, _tiny
+from autosac.tools.calibration_models import _Block, _calibration_models, _large_models, _tiny, _Twice, _twice
 
 _CALIBRATED: HostCosts | None = None
 
@@ -287,7 +287,7 @@ def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, r
     busy, threads = others(), torch.get_num_threads()
     if contended(threads, busy):
         reasons.append(f"other processes kept {busy:.1f} of {os.cpu_count()} cores busy beside {threads} torch threads")
-    figures = {**got.figures, "call_gap_us": max(0.0, got.figures["call_gap_us"])}
+    figures = {**got.figures, "call_gap_us": _call_gap_us(models["tiny"], inputs[("shallow", "none")])}
     figures["state_item_us"] = _state_item_us(models["deep"], inputs[("shallow", "none")])
     figures = _without_gaps(figures, models)
     if figures.get("large_op_bytes"):
@@ -314,6 +314,48 @@ def _benchmark(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32)
     variants = {(size, k): m for size, setup in models.items() for k, m in setup["variants"].items()}
     inputs = {key: x_large if key[0] == "large" else x for key in variants}
     return models, variants, inputs
+
+
+def _call_gap_us(setup: dict, x: torch.Tensor, rounds: int = 40) -> float:
+    """``call_gap_us`` (:meth:`HostCosts.gap_us`): in the tiny calibration
+    model (``setup``: 24 small regions, each followed by a transformer
+    block), what its middle region checkpointed alone costs beyond each call
+    of all of them checkpointed, each set against its forward run twice (the
+    median of each round's difference), per square root of the op calls that
+    run between the machinery's runs (:func:`autosac.core.host.gap_roots`):
+    one call alone finds it colder.  Measured here: 9-19 us per root, 4 s
+    (the shallow model's six blocks, 32 roots apart against the tiny model's
+    65, read 2.5-8.6 us).  The figure used: the main rounds' own estimate of
+    it (:func:`_gap_us`, 12 rounds) checks it for noise, but beside a busy
+    machine it read 29-38 us and left ``checkpoint_call_us`` 0."""
+    import copy
+
+    import autosac.applier
+    from autosac.solver import plan_from_decisions
+
+    blocks = setup["blocks"]
+    model = nn.Sequential(*[m.region if isinstance(m, _Twice) else m for m in setup["variants"]["twice"]])
+    regions, alone = setup["regions"], setup["alone"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        one = autosac.applier.apply(copy.deepcopy(model), plan_from_decisions(setup["stats"], {alone: 1.0}))
+    variants = {"all": copy.deepcopy(setup["variants"]["whole"]), "twice_all": copy.deepcopy(setup["variants"]["twice"]),
+                "one": one, "twice_one": _twice(model, [alone])}
+
+    def step(k: str) -> float:  # as the main rounds: forward and backward, no optimizer (as the trace)
+        t = time.thread_time()
+        variants[k](x).sum().backward()
+        variants[k].zero_grad(set_to_none=True)
+        return (time.thread_time() - t) * 1e6
+
+    for k in variants:
+        step(k)
+    extra = []  # each round's own difference: the VM's drift moves a round's variants alike
+    for _ in range(rounds):
+        t = {k: step(k) for k in variants}
+        extra.append((t["one"] - t["twice_one"]) - (t["all"] - t["twice_all"]) / blocks)
+    roots = _gap_roots(setup, [alone]) - _gap_roots(setup, regions) / blocks
+    return round(max(0.0, statistics.median(extra) / roots), 3) if roots > 0 else 0.0
 
 
 def _gap_roots(setup: dict, regions: list[str]) -> float:
