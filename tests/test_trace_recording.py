@@ -33,3 +33,29 @@ def test_a_traced_step_files_every_op_in_every_column():
     assert rec.origins and all(
         rec.phases[e] == "backward" and rec.phases[o] == "forward" and o < e for e, o in rec.origins.items()
     )
+
+
+def _real_backward_detaches(model, x) -> int:
+    """The ``aten.detach`` calls a real backward makes (grads None, as after
+    ``zero_grad(set_to_none=True)``), counted by torch's profiler."""
+    from torch.profiler import profile
+
+    loss = model(x).sum()
+    model.zero_grad(set_to_none=True)
+    with profile() as prof:
+        loss.backward()
+    return sum(1 for e in prof.events() if e.name == "aten::detach")
+
+
+def test_the_backward_holds_the_real_steps_detaches_not_autograds_copies_of_saved_tensors():
+    # autograd copies each saved tensor it unpacks; for a fake tensor that copy is an aten.detach
+    # the trace saw (6 of the 12 detaches here), for a real one a C++ copy no dispatcher sees
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 4))
+    x = torch.randn(4, 8)
+    real = _real_backward_detaches(model, x)
+    rec = trace_step(model, x, cost_model=CostModel(resolve_target("h100"))).recording
+    traced = sum(1 for op, phase in zip(rec.ops, rec.phases) if op == "detach" and phase == "backward")
+    assert real == len(list(model.parameters())) == 6  # AccumulateGrad's, one per parameter
+    assert traced == real

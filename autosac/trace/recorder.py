@@ -67,6 +67,18 @@ def _without_graph(t):
         return t.detach()
 
 
+def _unpack_detach(func, args, unpacked) -> bool:
+    """Whether ``func`` is autograd's shallow copy of the saved tensor a
+    saved-tensor hook just gave back (``unpacked``).  Autograd makes it by
+    detaching, which for a tensor a Python dispatch mode sees (a fake, the
+    trace's) is an ``aten.detach`` call; for a plain tensor it is a C++ copy of
+    the tensor's header that no dispatcher sees.  Counted as an op, it was
+    188 of transformers Qwen3's 894 backward events at width 64, priced as
+    many view calls, where the real backward has one ``detach`` per parameter
+    (its gradient's, kept)."""
+    return func is torch.ops.aten.detach.default and len(args) == 1 and args[0] is unpacked
+
+
 # the ops a derivative formula makes its zeros with, and the ones it fills them
 # with, in place on real tensors (gather's, sort's, topk's, index_select's,
 # index's backwards), out of place on tensor subclasses
@@ -156,6 +168,7 @@ class StepRecorder(TorchDispatchMode):
         self._stale: dict[int, torch.UntypedStorage] = {}  # real storages a fake op wrote (their values unknown)
         self._written_twins: dict[int, torch.Tensor] = {}  # ... the fake tensor the write went to, with their layout
         self._written_view: tuple | None = None  # an in-place op's written view, until the next op (_view_written)
+        self._unpacked = None  # the tensor a saved-tensor unpack just returned, until the next op (_unpack_detach)
         self.random_branch = False  # the forward failed reading a value drawn at random (LayerDrop)
 
     # ----------------------------------------------------------- storages
@@ -341,6 +354,7 @@ class StepRecorder(TorchDispatchMode):
             return packed
         if self.phase == "backward":
             self.rec.unpacks.append((len(self.rec.ops), packed.point))
+        self._unpacked = packed.t
         return packed.t
 
     # ------------------------------------------------------------- ops
@@ -348,6 +362,9 @@ class StepRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.namespace in ("prim", "profiler"):
             return func(*args, **kwargs)
+        unpacked, self._unpacked = self._unpacked, None
+        if unpacked is not None and _unpack_detach(func, args, unpacked):
+            return func(*args, **kwargs)  # autograd's copy of a saved tensor: the real step dispatches no op for it
         args, kwargs = self._as_traced(args, kwargs)
         if self._pending:
             self._flush_pending()
