@@ -109,7 +109,7 @@ from autosac.core.noise import (
     steady,
 )
 from autosac.tools.calibration_history import median_costs, recalled, remember
-from autosac.tools.calibration_models import _Block, _calibration_models, _large_models, _tiny, _Twice, _twice
+from autosac.tools.calibration_models import _Block, _calibration_models, _large_models, _tiny
 
 _CALIBRATED: HostCosts | None = None
 
@@ -330,17 +330,9 @@ def _call_gap_us(setup: dict, x: torch.Tensor, rounds: int = 40) -> float:
     machine it read 29-38 us and left ``checkpoint_call_us`` 0."""
     import copy
 
-    import autosac.applier
-    from autosac.solver import plan_from_decisions
-
-    blocks = setup["blocks"]
-    model = nn.Sequential(*[m.region if isinstance(m, _Twice) else m for m in setup["variants"]["twice"]])
-    regions, alone = setup["regions"], setup["alone"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        one = autosac.applier.apply(copy.deepcopy(model), plan_from_decisions(setup["stats"], {alone: 1.0}))
-    variants = {"all": copy.deepcopy(setup["variants"]["whole"]), "twice_all": copy.deepcopy(setup["variants"]["twice"]),
-                "one": one, "twice_one": _twice(model, [alone])}
+    blocks, made = setup["blocks"], setup["variants"]  # copies of the rounds' variants: their own warm state
+    variants = {"all": copy.deepcopy(made["whole"]), "twice_all": copy.deepcopy(made["twice"]),
+                "one": copy.deepcopy(made["one"]), "twice_one": copy.deepcopy(made["twice_one"])}
 
     def step(k: str) -> float:  # as the main rounds: forward and backward, no optimizer (as the trace)
         t = time.thread_time()
@@ -354,7 +346,7 @@ def _call_gap_us(setup: dict, x: torch.Tensor, rounds: int = 40) -> float:
     for _ in range(rounds):
         t = {k: step(k) for k in variants}
         extra.append((t["one"] - t["twice_one"]) - (t["all"] - t["twice_all"]) / blocks)
-    roots = _gap_roots(setup, [alone]) - _gap_roots(setup, regions) / blocks
+    roots = setup["gap_roots"]
     return round(max(0.0, statistics.median(extra) / roots), 3) if roots > 0 else 0.0
 
 
