@@ -153,10 +153,12 @@ def test_the_calibration_marks_its_figures_noisy_when_its_thread_shares_a_core(f
 
 
 def test_the_call_gap_figure_is_measured_in_the_rounds_and_checked_for_noise(fresh, monkeypatch):
-    """``call_gap_us`` comes from the interleaved rounds (the tiny model's middle
-    region alone against all): where the lone call's step is 10 ms slower in
-    every other round only (150 us a root of its gap), its halves disagree
-    and the figures are noisy."""
+    """``call_gap_us`` is checked in the interleaved rounds (the tiny model's
+    middle region alone against all): where the lone call's step is 50 ms
+    slower in every other round only (750 us a root of its gap), its halves
+    disagree and the figures are noisy.  (10 ms slower was missed once in a
+    README run: beside the other worker's load the lone call's own samples
+    can run that much slower in one round.)"""
     real = host._take_round
     taken = []
 
@@ -164,14 +166,14 @@ def test_the_call_gap_figure_is_measured_in_the_rounds_and_checked_for_noise(fre
         samples, _ = real(variants, x, repeats=1)
         taken.append(1)
         if len(taken) % 2 == 0:  # the first round after the warm-up, the third, ...
-            samples[("tiny", "one")] = [(fw, total + 10.0) for fw, total in samples[("tiny", "one")]]
+            samples[("tiny", "one")] = [(fw, total + 50.0) for fw, total in samples[("tiny", "one")]]
         return samples, 1.0
 
     monkeypatch.setattr(host, "_take_round", lone_call_slow_every_other_round)
     monkeypatch.setattr(host, "_cold_read_us_per_mib", lambda small, large: 40.0)  # not what this checks
     got = host._measure(rounds=2, max_rounds=2)
     assert len(taken) == 3 and got.rounds == 2
-    assert any("call_gap_us" in reason for reason in got.noisy)
+    assert any("call_gap_us" in reason for reason in got.noisy), got.noisy
 
 
 def test_the_call_gap_figure_is_judged_against_the_lone_call_it_prices():
