@@ -6,9 +6,11 @@
 #                 entry, fixed since on the CPU: it must now measure ~11 GiB, ~33 ms, no autograd warning) and
 #                 the compiled comparison (limit 420 s; on a fresh H100, 2026-11-26, torch 2.11, its autosac
 #                 row alone did not finish in 200 s, and took 142 s warm);
-#   PART=compile2: the compiled comparison's rows gpu_compile.py --quick leaves out for time: the 16-layer
-#                 Llama at 0.5 (limit 300 s) and gpt2 at 0.3 and 0.7 (200 s); not yet run on a GPU;
-#   PART=rest:    everything else (limits 480 s; 290 s on a fresh H100, 2026-11-26).
+#   PART=compile2: the compiled comparison's rows gpu_compile.py --quick leaves out for time: gpt2 at 0.3
+#                 and 0.7 (limit 480 s; on an H100, 2026-11-27, 200 s held torch's two rows and none of
+#                 autosac's: each of its compiled fits takes over 140 s);
+#   PART=compile3: the 16-layer Llama at 0.5 (limit 480 s); not yet run on a GPU;
+#   PART=rest:    everything else (limits 540 s; 290 s on a fresh H100, 2026-11-26; 340 s, 2026-11-27).
 #
 # Unset, PART runs both in one go.  Each step has a time limit; one that runs out is said so in summary.txt,
 # and the others still run.  After every step the results so far are archived under $OUT (when set, as the
@@ -36,11 +38,15 @@
 #   gpu_hf_gpt2.txt           transformers GPT-2: autosac's plan against its own gradient checkpointing
 #   gpu_peak_snapshot_70.txt  the 16-layer Llama planned at 70 %: what the allocator holds at the step's peak,
 #                             by the source line that allocated it
+#   gpu_trace_vs_allocator.txt gpt2's unplanned step: what the trace holds at its peak against the CUDA
+#                             allocator's record (made in the step, alive before it, blocks by stack)
 #   bench_search_gpu.md       autosac.search: built-in gpt2, bf16, 20 GiB, batch 4..64: the predicted choice
 #                             against every feasible candidate run, peaks within the memory
 # Each step has a time limit; one that runs out is said so in summary.txt, and the others still run.
 # PuLP: where it is missing and .whl/ holds its wheel (carried to the GPU machine), it is installed
-# into /tmp/site first.
+# into /tmp/site first.  A 3.x wheel (pyproject asks for pulp>=3.3.1,<4; a 4.x one is not used):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl 'pulp>=3.3.1,<4'
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DATE=$(date +%Y-%m-%d)
@@ -84,8 +90,10 @@ if part compile; then
   fi
 fi
 if [ "${PART:-}" = compile2 ]; then  # the compiled comparison's other rows, each step cut short keeps its rows
-  step gpu_compile_llama 300 python3 benchmarks/gpu_compile.py "$DIR/gpu_compile_llama.md" --quick --models llama
-  step gpu_compile_gpt2_more 200 python3 benchmarks/gpu_compile.py "$DIR/gpu_compile_gpt2_more.md" --quick --fractions 0.3,0.7
+  step gpu_compile_gpt2_more 480 python3 benchmarks/gpu_compile.py "$DIR/gpu_compile_gpt2_more.md" --quick --fractions 0.3,0.7
+fi
+if [ "${PART:-}" = compile3 ]; then
+  step gpu_compile_llama 480 python3 benchmarks/gpu_compile.py "$DIR/gpu_compile_llama.md" --quick --models llama
 fi
 if part rest; then
   step gpu_hf_gpt2 60 sh -c "python3 benchmarks/gpu_hf_gpt2.py > '$DIR/gpu_hf_gpt2.txt'"
@@ -95,8 +103,9 @@ if part rest; then
     step gpu_verify 150 python3 benchmarks/gpu_verify.py "$DIR/gpu_verify.md"  # 101 s was not enough on a fresh H100 (session 8)
   fi
   step peak_snapshot 40 sh -c "python3 benchmarks/gpu_peak_snapshot.py 70% > '$DIR/gpu_peak_snapshot_70.txt'"
+  step trace_vs_allocator 90 sh -c "python3 benchmarks/gpu_trace_vs_allocator.py > '$DIR/gpu_trace_vs_allocator.txt'"
   step pack_downcast 30 python3 benchmarks/pack_downcast_cuda.py --out-dir "$DIR"
-  step tests 50 sh -c "python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > '$DIR/tests.txt' 2>&1"
+  step tests 120 sh -c "python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > '$DIR/tests.txt' 2>&1"
   if [ "${FULL:-0}" = 1 ]; then
     step gpu_overhead 600 sh -c "python3 benchmarks/gpu_overhead.py --models gpt2 > '$DIR/gpu_overhead.txt'"
   else
