@@ -120,23 +120,23 @@ def _plain_regions(host: HostCosts):
     return stats, build_problem(stats)
 
 
-def test_a_plainly_checkpointed_call_is_priced_without_the_per_mib_extra_in_both_its_forwards():
-    """Its forward keeps no activation and the re-run's are freed right after:
-    the outputs the unmodified forward saves land in memory just freed, not the
-    cold memory the extra prices; temporaries pay it either way (zoo-gemma2:
-    machinery priced 4.68 ms, 1.05 measured)."""
+def test_a_plainly_checkpointed_call_re_runs_its_forward_at_the_price_the_unmodified_forward_paid():
+    """Its re-run is priced as the unmodified forward's ops were, the per-MiB
+    extra on large outputs included, and its machinery as checkpoint_ms says:
+    crediting the saved outputs with memory just freed priced overheads low
+    (zoo-gemma2, DeBERTa, Qwen3, ConvNeXt, GPT-2 at width 256: 10 of 20 rows
+    within target with the credit, 16 without)."""
     host = replace(SIZED, checkpoint_call_us=500.0, saved_tensor_us=10.0)
     stats, problem = _plain_regions(host)
     tl = stats.timeline
     checked = 0
     for c in problem.candidates:
         whole = float(sum(tl.ms[c.window[0] : c.window[1]]))
-        saved = {op.event for op in stats.saved_ops if c.window[0] <= op.event < c.window[1]}  # not temporaries
-        warm = sum(extra_us(tl.made_bytes[e], SMALL, LARGE, 80.0) for e in saved) / 1e3
-        assert saved and len(saved) < c.window[1] - c.window[0]
+        extra = sum(extra_us(tl.made_bytes[e], SMALL, LARGE, 80.0) for e in range(*c.window)) / 1e3
         plain = host.checkpoint_ms(stats.modules[c.fqn].saved_tensors[0], 0, selective=False)
-        for ms, mech in zip(c.ms, c.mechanism):
-            if math.isclose(mech, max(0.0, plain - warm), abs_tol=1e-12) and warm > 0:
-                assert ms == pytest.approx(whole - warm + mech, abs=1e-9)
+        for ms, mech, n in zip(c.ms, c.mechanism, c.n_items):
+            if n == len(c.items) and math.isclose(mech, plain, abs_tol=1e-12):
+                assert extra > 0  # some of its ops are larger than the small size, and pay for it
+                assert ms == pytest.approx(whole + plain, abs=1e-9)
                 checked += 1
-    assert checked  # some plain choice over ops larger than the small size
+    assert checked
