@@ -65,16 +65,6 @@ def twice(model, fqns):
     return out
 
 
-def all_saved(plan):
-    """A copy of ``plan`` whose selective regions save every op call: the
-    machinery runs, nothing is re-run."""
-    out = copy.deepcopy(plan)
-    for d in out.details.values():
-        if d.save:
-            d.save, d.skip = list(range(len(d.calls))), []
-    return out
-
-
 def parts(name: str, rounds: int, steps: int, budget: str = "least", regime: str | None = None) -> dict:
     build, regimes = ps.MODELS[name]
     regime = regime or regimes[0]
@@ -89,9 +79,6 @@ def parts(name: str, rounds: int, steps: int, budget: str = "least", regime: str
     variants = {"given": model, "base": base if base is not None else model}
     variants["twice"] = twice(variants["base"], list(plan.decisions))
     variants["plan"] = autosac.apply(copy.deepcopy(model), plan)
-    selective = [d for d in plan.details.values() if d.save]
-    if selective:
-        variants["saved"] = autosac.apply(copy.deepcopy(model), all_saved(plan))
     if base is None:
         variants.pop("given")
     timed = ps._timed(variants, inputs, loss_fn, rounds, steps)
@@ -106,7 +93,6 @@ def parts(name: str, rounds: int, steps: int, budget: str = "least", regime: str
         "cache": (None, diff("given", "base")) if "given" in timed.cpu else None,  # None: it fills no cache
         "rerun": (rerun, diff("twice", "base")),
         "machinery": (plan.mechanism_ms, diff("plan", "twice")),
-        "selective": (sum(d.mechanism_ms for d in selective), diff("saved", "base")) if selective else None,
         "increment": (plan.recompute_ms, diff("plan", "base")),
         "overhead": (plan.step_ms / plan.baseline_step_ms - 1, ps.paired(timed.rounds, "plan", "base")),
     }
@@ -131,12 +117,12 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     started = time.perf_counter()
-    print("| model | unmodified step | cache | re-run | machinery | selective machinery | increment | overhead |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | unmodified step | cache | re-run | machinery | increment | overhead |")
+    print("|---|---|---|---|---|---|---|")
     for name in a.models.split(","):
         r = parts(name, a.rounds, 5, a.budget, a.regime)
         print(f"| {r['model']} | {_cell(r['step'])} | {_cell(r['cache'])} | {_cell(r['rerun'])} "
-              f"| {_cell(r['machinery'])} | {_cell(r['selective'])} | {_cell(r['increment'])} | {_cell(r['overhead'], pct=True)} |", flush=True)
+              f"| {_cell(r['machinery'])} | {_cell(r['increment'])} | {_cell(r['overhead'], pct=True)} |", flush=True)
     print(f"\n(predicted / measured, ms of this thread's CPU time; {a.rounds} rounds, "
           f"{time.perf_counter() - started:.0f} s)")
     return 0
