@@ -53,6 +53,21 @@ def live_at_peak(snapshot) -> tuple[int, dict[str, int]]:
     return best, groups
 
 
+def held_loop_step(model, idx, opt, held: list | None) -> None:
+    """One bf16-autocast AdamW step as ``out = model(x)`` loops run it: the
+    output kept in ``held`` (the previous one alive until the forward returns);
+    ``held=None``: dropped once the loss exists."""
+    with torch.autocast("cuda", dtype=BF16):
+        out = model(idx)
+        if held is not None:
+            held[:] = [out]
+        loss = default_loss(out)
+        del out
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def main():
     meta, idx = build_model(NAME, device="meta", **CFG)
     stats = autosac.profile(meta, idx, target="h100", autocast=BF16)
@@ -70,15 +85,7 @@ def main():
     held: list = []  # the loop's `out`: the previous step's output lives until the next forward returns
 
     def step(hold: bool):
-        with torch.autocast("cuda", dtype=BF16):
-            out = model(idx)
-            if hold:
-                held[:] = [out]
-            loss = default_loss(out)
-            del out
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        held_loop_step(model, idx, opt, held if hold else None)
 
     seen = {}
     for hold in (False, True, True):  # the second held step is the steady one: an output held from before

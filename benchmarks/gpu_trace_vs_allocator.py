@@ -26,10 +26,10 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from gpu_peak_snapshot import held_loop_step  # this folder is on the path when run as a script
 
 from autosac.core.devices import resolve_target
 from autosac.core.loop import DEFAULT_LOOP
-from autosac.core.optim import default_loss
 from autosac.models import build_model
 from autosac.trace.aggregate import memory_timeline
 from autosac.trace.costs import CostModel
@@ -102,22 +102,12 @@ def real_step(name: str):
     model, idx = build_model(name, device="cuda", **CONFIGS[name])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     held: list = []
-
-    def step():
-        with torch.autocast("cuda", dtype=BF16):
-            out = model(idx)
-            held[:] = [out]
-            loss = default_loss(out)
-            del out
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step(), step()
+    held_loop_step(model, idx, opt, held)
+    held_loop_step(model, idx, opt, held)
     torch.cuda.synchronize()
     start = len(_events(torch.cuda.memory._snapshot()))
     torch.cuda.reset_peak_memory_stats()
-    step()
+    held_loop_step(model, idx, opt, held)
     torch.cuda.synchronize()
     events = _events(torch.cuda.memory._snapshot())
     print(f"real: max_memory_allocated {torch.cuda.max_memory_allocated() / MIB:.1f} MiB")
@@ -132,6 +122,7 @@ def compare(alive_traced, events, start) -> None:
     live: dict[int, tuple[int, str, bool]] = {}  # addr -> (size, where, made in the measured step)
     total = best = 0
     best_live: dict = {}
+    before: dict = {}  # alive when the measured step starts
     for i, e in enumerate(events):
         if e["action"] == "alloc":
             live[e["addr"]] = (e["size"], _where(e.get("frames", [])), i >= start)
