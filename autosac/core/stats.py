@@ -14,7 +14,7 @@ from autosac.core.errors import StatsFormatError
 from autosac.core.loop import Loop
 from autosac.core.schema import build, check_common, parse
 
-STATS_FORMAT = 7
+STATS_FORMAT = 8
 
 @dataclass
 class SavedOp:
@@ -115,6 +115,11 @@ class ModuleStats:
     # per forward call: the backward event a checkpoint of it re-runs the forward at, its first read of a
     # tensor saved inside it (-1: none); backward ops before it read nothing saved (autosac.trace.aggregate)
     recompute_starts: list[int] = field(default_factory=list)
+    # per forward call: the event its replay stops before -- PyTorch's checkpoint stops re-running once
+    # the last tensor saved inside the call is made again (an op's inputs are saved before it runs, its
+    # outputs after), so a transformer block's last matmul and residual add never re-run; the call's end
+    # where it reads routing values (autosac.trace.aggregate)
+    replay_stops: list[int] = field(default_factory=list)
     # its forward reads tensors derived from an MoE routing decision (autosac.trace.routing): how many
     # op calls it runs, and their sizes, follow the routing, so it is checkpointed only whole and plainly
     routed: bool = False

@@ -58,7 +58,10 @@ class ModuleReplay:
             elif saved_inside(op.savers, fqn):
                 kept.update(e for e in chain if e < end)
         views = tl.views or [False] * len(tl)
-        forced = {e for e in range(start, end) if not views[e] and (tl.random[e] or tl.writes[e])}
+        # random and in-place calls after the replay's early stop (ModuleStats.replay_stops) never re-run
+        m = stats.modules[fqn]
+        stop = m.replay_stops[0] if m.replay_stops else end
+        forced = {e for e in range(start, stop) if not views[e] and (tl.random[e] or tl.writes[e])}
         free = {e for e in range(start, end) if views[e]} | casts
         inputs = tl.inputs or [[] for _ in range(len(tl))]
         return cls(start, end, frozenset(kept), frozenset(forced), inputs, tl.ms, frozenset(free), stats.saved_ops)

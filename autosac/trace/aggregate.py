@@ -234,6 +234,7 @@ def _module_stats(step: TracedStep, live: np.ndarray, times: _Times, saved: _Sav
     kept = _kept_events(rec, saved.ops, saved.groups)
     saved_tensors = _saved_tensors_per_call(rec)
     recompute_starts = _recompute_starts(rec)
+    stops = _replay_ends(rec)
     work, profiles, cache_holds = _recompute_work(rec, kept, times.bw_first)
     modules: dict[str, ModuleStats] = {}
     for fqn, mtype in step.module_types.items():
@@ -278,6 +279,7 @@ def _module_stats(step: TracedStep, live: np.ndarray, times: _Times, saved: _Sav
             tradeoff=curve, tradeoff_exact_points=len(curve),
             saved_tensors=saved_tensors.get(fqn, [0] * len(windows)),
             recompute_starts=recompute_starts.get(fqn, [-1] * len(windows)),
+            replay_stops=stops.get(fqn, [w[1] for w in windows]),
             routed=any(_has_event_in(rec.routed, w) for w in windows),
             state_items=rec.state_items.get(fqn, 0),
         )
@@ -314,6 +316,15 @@ def _replay_stops(rec) -> dict[str, list[int]]:
     for position, fqn, j in _saves(rec):
         out[fqn][j] = max(out[fqn][j], min(position, rec.fw_windows[fqn][j][1]))
     return out
+
+
+def _replay_ends(rec) -> dict[str, list[int]]:
+    """Per module, per forward call: the event a replay of it stops before
+    (:func:`_replay_stops`), but the call's end where it reads routing values:
+    its ops and saved tensors follow a routing the trace only assumed."""
+    stops = _replay_stops(rec)
+    return {fqn: [stop if not _has_event_in(rec.routed, w) else w[1] for w, stop in zip(ws, stops[fqn])]
+            for fqn, ws in rec.fw_windows.items()}
 
 
 def _recompute_starts(rec) -> dict[str, list[int]]:
@@ -400,9 +411,8 @@ def _recompute_work(rec, kept: dict[str, set[int]], bw_first: dict[str, int]):
     early stop, which the applier keeps on), so nothing after it is made --
     except in a call that reads routing values, whose ops and saved tensors
     follow a routing the trace only assumed: its whole forward is counted."""
-    stops = _replay_stops(rec)
-    windows = {fqn: [(w[0], stop if not _has_event_in(rec.routed, w) else w[1]) for w, stop in zip(ws, stops[fqn])]
-               for fqn, ws in rec.fw_windows.items()}
+    ends = _replay_ends(rec)
+    windows = {fqn: [(w[0], stop) for w, stop in zip(ws, ends[fqn])] for fqn, ws in rec.fw_windows.items()}
     deltas: dict[str, list[tuple[int, int]]] = defaultdict(list)
     holds: dict[str, dict[tuple[int, int], int]] = defaultdict(lambda: defaultdict(int))
     for r in rec.storages:
