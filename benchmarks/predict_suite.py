@@ -10,8 +10,10 @@ loop), solve the least budget and a mid budget (halfway between the least
 peak and the unmodified peak), apply each plan to a copy, check that it keeps
 its budget (the measured peak, :func:`autosac.measure`) and that one training
 step is bitwise the unmodified one's (``tests/suite.py``), then time the
-unmodified model and both plans in interleaved rounds (the measured overhead:
-the median over the rounds of each round's ratio, :func:`paired`).  The
+unmodified model, both plans and a control -- the unmodified model again, in
+a second copy, whose measured "overhead" is the measurement's noise -- in
+interleaved rounds (the measured overhead: the median over the rounds of
+each round's ratio, :func:`paired`).  The
 predicted overhead is ``plan.step_ms / plan.baseline_step_ms - 1``; the
 target is within 20 % of the measured one, relative, or 3 points, whichever
 is larger.
@@ -87,6 +89,7 @@ class Row:
     measured: float | None = None
     wall: float | None = None
     as_given: float | None = None  # against the unmodified model with its cache on (None: it builds none)
+    control: float | None = None  # a second copy of the unmodified model, measured as the plans are: the noise
     kept: bool | None = None
     bitwise: bool | None = None
     plan: str = ""
@@ -363,6 +366,9 @@ def run_model(name: str, regime: str, rounds: int, steps: int, autocast=None) ->
     base = without_cache(model, inputs)
     if base is not None:  # the baseline the plan prices: the model as applied runs it, its cache off
         variants["base"] = base
+    # the control: the unmodified model again, in another copy -- what it measures against the reference is
+    # the measurement's own noise, beside which each row's error is read
+    variants["control"] = without_cache(model, inputs) if base is not None else copy.deepcopy(model)
     for label, plan in plans.items():
         planned = autosac.apply(copy.deepcopy(model), plan)
         bitwise = _bitwise(model, planned, inputs, loss_fn, autocast)  # before measure's steps change the weights
@@ -374,6 +380,7 @@ def run_model(name: str, regime: str, rounds: int, steps: int, autocast=None) ->
     ref = "base" if base is not None else "none"
     for row in rows:
         row.measured = paired(per_round, row.budget, ref)
+        row.control = paired(per_round, "control", ref)
         row.wall = wall[row.budget] / wall[ref] - 1
         row.note = (f"step {cpu[ref]:.1f} ms (predicted {stats.step_ms:.1f}); page faults a step "
                     f"{faults[ref]:.0f}, planned {faults[row.budget]:.0f}")
@@ -389,13 +396,15 @@ def _pct(x: float | None) -> str:
 
 
 def table(rows: list[Row]) -> str:
-    lines = ["| model | regime | budget | predicted | measured | error (points) | within target | wall | as given "
-             "| kept | bitwise | plan; unmodified step |", "|---|---|---|---:|---:|---:|---|---:|---:|---|---|---|"]
+    lines = ["| model | regime | budget | predicted | measured | error (points) | within target | control | wall "
+             "| as given | kept | bitwise | plan; unmodified step |",
+             "|---|---|---|---:|---:|---:|---|---:|---:|---:|---|---|---|"]
     for r in rows:
         within = "-" if r.within is None else ("yes" if r.within else "NO")
         yn = {True: "yes", False: "NO", None: "-"}
         lines.append(f"| {r.model} | {r.regime} | {r.budget} | {_pct(r.predicted)} | {_pct(r.measured)} "
-                     f"| {'-' if r.error is None else f'{100 * r.error:+.1f}'} | {within} | {_pct(r.wall)} "
+                     f"| {'-' if r.error is None else f'{100 * r.error:+.1f}'} | {within} | {_pct(r.control)} "
+                     f"| {_pct(r.wall)} "
                      f"| {_pct(r.as_given)} | {yn[r.kept]} | {yn[r.bitwise]} | {r.plan}; {r.note} |")
     done = [r for r in rows if r.error is not None]
     if done:
@@ -407,6 +416,12 @@ def table(rows: list[Row]) -> str:
                      f"{_pct(worst.measured)} ({100 * worst.error:+.1f} points). Every plan kept its budget: "
                      f"{'yes' if all(r.kept for r in done) else 'NO'}; every step bitwise: "
                      f"{'yes' if all(r.bitwise for r in done) else 'NO'}.")
+        noise = sorted(abs(r.control) for r in done if r.control is not None)
+        if noise:
+            lines.append("")
+            lines.append(f"The control (the unmodified model in a second copy, timed as the plans are) measured "
+                         f"{100 * statistics.median(noise):.1f} points at the median, {100 * noise[-1]:.1f} at most: "
+                         "the measurement's noise in this run.")
     return "\n".join(lines)
 
 

@@ -73,7 +73,7 @@ def test_the_table_shows_the_overhead_against_the_model_as_given():
     rows = [predict_suite.Row("zoo-t5", "dispatch", "least", predicted=0.70, measured=0.60, wall=0.61, as_given=0.51,
                               kept=True, bitwise=True),
             predict_suite.Row("mlp", "dispatch", "least", predicted=0.40, measured=0.40, wall=0.40, kept=True,
-                              bitwise=True)]
+                              bitwise=True, control=-0.021)]
     lines = predict_suite.table(rows).splitlines()
     header = [c.strip() for c in lines[0].strip("|").split("|")]
     t5 = [c.strip() for c in lines[2].strip("|").split("|")]
@@ -81,3 +81,6 @@ def test_the_table_shows_the_overhead_against_the_model_as_given():
     col = header.index("as given")
     assert (t5[col], mlp[col]) == ("+51.0%", "-")
     assert t5[header.index("measured")] == "+60.0%" and t5[header.index("error (points)")] == "+10.0"
+    # the control: an identical copy of the unmodified model, the measurement's noise
+    assert (t5[header.index("control")], mlp[header.index("control")]) == ("-", "-2.1%")
+    assert "measured 2.1 points at the median, 2.1 at most" in predict_suite.table(rows)
