@@ -131,6 +131,11 @@ class ModuleStats:
     def is_leaf(self) -> bool:
         return not self.children
 
+    def replay_end(self, call: int = 0) -> int:
+        """The event a checkpoint's replay of forward call ``call`` stops before
+        (``replay_stops``; the call's end in stats that do not record it)."""
+        return self.replay_stops[call] if call < len(self.replay_stops) else self.fw_windows[call][1]
+
 
 @dataclass
 class ParamStats:

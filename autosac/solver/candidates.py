@@ -243,8 +243,7 @@ def _mechanism(stats: ModelStats, m, window, n_items: int, picks: list[int], hos
     # overheads further from measured, 10 of 20 rows within target against 16 without (docs/benchmarks.md);
     # up to where PyTorch's checkpoint stops re-running it (ModuleStats.replay_stops): priced to the call's
     # end, a plain MLP block's re-run was over-predicted by its last matmul (7.2 against 4.6 ms measured)
-    stop = m.replay_stops[0] if m.replay_stops else window[1]
-    whole_ms = float(sum(stats.timeline.ms[window[0] : stop])) if can_be_plain else None
+    whole_ms = float(sum(stats.timeline.ms[window[0] : m.replay_end()])) if can_be_plain else None
     return mechanism, whole_ms
 
 

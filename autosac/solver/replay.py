@@ -59,8 +59,7 @@ class ModuleReplay:
                 kept.update(e for e in chain if e < end)
         views = tl.views or [False] * len(tl)
         # random and in-place calls after the replay's early stop (ModuleStats.replay_stops) never re-run
-        m = stats.modules[fqn]
-        stop = m.replay_stops[0] if m.replay_stops else end
+        stop = stats.modules[fqn].replay_end()
         forced = {e for e in range(start, stop) if not views[e] and (tl.random[e] or tl.writes[e])}
         free = {e for e in range(start, end) if views[e]} | casts
         inputs = tl.inputs or [[] for _ in range(len(tl))]

@@ -551,7 +551,7 @@ def _figures(setup: dict, times: dict[str, float], forwards: dict[str, float]) -
     stats, blocks = setup["stats"], setup["blocks"]
     tl = stats.timeline
     w0, w1 = stats.modules["0"].fw_windows[0]
-    stop = _replay_stop(stats.modules["0"], (w0, w1))
+    stop = stats.modules["0"].replay_end()
     # the checkpointed call's replay stops at its last saved tensor (autosac.core.stats.ModuleStats.replay_stops),
     # where the forward run twice runs every op: the kernels it skips, and the host time of the ops after the
     # one it stops in (``skipped_ops``; :func:`_round_figures` prices them), are no part of the machinery
@@ -559,7 +559,7 @@ def _figures(setup: dict, times: dict[str, float], forwards: dict[str, float]) -
            "mechanism_us": (times["whole"] - times["twice"]) / blocks * 1e3 + sum(tl.ms[stop:w1]) * 1e3}
     if "one" in times:  # the middle region's call alone among plain layers
         one = stats.modules[setup["alone"]]
-        skipped = sum(tl.ms[_replay_stop(one, one.fw_windows[0]) : one.fw_windows[0][1]])
+        skipped = sum(tl.ms[one.replay_end() : one.fw_windows[0][1]])
         out["alone_us"] = (times["one"] - times["twice_one"]) * 1e3 + skipped * 1e3
     if "none" in times:
         # the blocks are narrow: their kernels' compute is a small part of the step,
@@ -584,11 +584,6 @@ def _figures(setup: dict, times: dict[str, float], forwards: dict[str, float]) -
         kept_us = tl.ms[kept] * 1e3 + untimed_us
         out["selective_us"] = (times["selective"] - times["whole"]) / blocks * 1e3 + kept_us
     return out
-
-
-def _replay_stop(m, window) -> int:
-    """The event a checkpoint's replay of ``m``'s call in ``window`` stops before."""
-    return m.replay_stops[0] if m.replay_stops else window[1]
 
 
 def _take_round(variants: dict, x: torch.Tensor, repeats: int = 1) -> dict:

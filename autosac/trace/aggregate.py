@@ -235,7 +235,7 @@ def _module_stats(step: TracedStep, live: np.ndarray, times: _Times, saved: _Sav
     saved_tensors = _saved_tensors_per_call(rec)
     recompute_starts = _recompute_starts(rec)
     stops = _replay_ends(rec)
-    work, profiles, cache_holds = _recompute_work(rec, kept, times.bw_first)
+    work, profiles, cache_holds = _recompute_work(rec, kept, times.bw_first, stops)
     modules: dict[str, ModuleStats] = {}
     for fqn, mtype in step.module_types.items():
         stack = stack_of(fqn)
@@ -393,7 +393,7 @@ def _kept_events(rec, saved_ops: list[SavedOp], groups) -> dict[str, set[int]]:
     return kept
 
 
-def _recompute_work(rec, kept: dict[str, set[int]], bw_first: dict[str, int]):
+def _recompute_work(rec, kept: dict[str, set[int]], bw_first: dict[str, int], ends: dict[str, list[int]]):
     """Per module, what re-running its forward in the backward allocates besides
     the saved activations it re-makes: every tensor made by an op it does not
     keep -- the short-lived ones for their forward lifetime, the ones that
@@ -410,8 +410,8 @@ def _recompute_work(rec, kept: dict[str, set[int]], bw_first: dict[str, int]):
     checkpoint stops re-running once every saved tensor is made again (its
     early stop, which the applier keeps on), so nothing after it is made --
     except in a call that reads routing values, whose ops and saved tensors
-    follow a routing the trace only assumed: its whole forward is counted."""
-    ends = _replay_ends(rec)
+    follow a routing the trace only assumed: its whole forward is counted
+    (``ends``: :func:`_replay_ends`)."""
     windows = {fqn: [(w[0], stop) for w, stop in zip(ws, ends[fqn])] for fqn, ws in rec.fw_windows.items()}
     deltas: dict[str, list[tuple[int, int]]] = defaultdict(list)
     holds: dict[str, dict[tuple[int, int], int]] = defaultdict(lambda: defaultdict(int))
