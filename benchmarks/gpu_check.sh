@@ -38,6 +38,7 @@
 #   gpu_hf_gpt2.txt           transformers GPT-2: autosac's plan against its own gradient checkpointing
 #   gpu_peak_snapshot_70.txt  the 16-layer Llama planned at 70 %: what the allocator holds at the step's peak,
 #                             by the source line that allocated it
+#   lt_workspace.txt          the library memory a first matmul leaves, with and without a fused bias
 #   gpu_trace_vs_allocator.txt gpt2's unplanned step: what the trace holds at its peak against the CUDA
 #                             allocator's record (made in the step, alive before it, blocks by stack)
 #   bench_search_gpu.md       autosac.search: built-in gpt2, bf16, 20 GiB, batch 4..64: the predicted choice
@@ -104,6 +105,7 @@ if part rest; then
   fi
   step peak_snapshot 40 sh -c "python3 benchmarks/gpu_peak_snapshot.py 70% > '$DIR/gpu_peak_snapshot_70.txt'"
   step trace_vs_allocator 90 sh -c "python3 benchmarks/gpu_trace_vs_allocator.py > '$DIR/gpu_trace_vs_allocator.txt'"
+  step lt_workspace 60 sh -c "python3 benchmarks/gpu_lt_workspace.py > '$DIR/lt_workspace.txt'"
   step pack_downcast 30 python3 benchmarks/pack_downcast_cuda.py --out-dir "$DIR"
   step tests 120 sh -c "python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > '$DIR/tests.txt' 2>&1"
   if [ "${FULL:-0}" = 1 ]; then

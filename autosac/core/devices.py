@@ -84,24 +84,36 @@ _CUBLAS_WORKSPACE = {True: 32 * MIB, False: 2 * 4096 * 1024 + 8 * 16 * 1024}
 # PyTorch keeps one per (thread, stream): a training step's matmuls run on two
 # threads, the forward's and autograd's device thread
 _CUBLAS_THREADS = 2
+# cuBLASLt's own workspace, made by the first matmul with a fused bias (``addmm``)
+# of each thread: PyTorch's default CUBLASLT_WORKSPACE_SIZE, 1 MiB.  Measured on
+# an H100, torch 2.11: one biased ``F.linear`` left 33 MiB, an unbiased one 32
+# (benchmarks/results/gpu-2026-11-27-1120/lt_workspace.txt).  Counted for both
+# threads: a checkpointed forward re-runs its matmuls on autograd's.
+_CUBLASLT_WORKSPACE = 1 * MIB
+FUSED_BIAS_MATMULS = frozenset({"addmm", "_addmm_activation"})
 
 
-def library_workspace_bytes(spec: DeviceSpec) -> int:
+def library_workspace_bytes(spec: DeviceSpec, fused_bias: bool = False) -> int:
     """Device memory a training step keeps besides its tensors: on a CUDA
     target, cuBLAS's workspaces (made by the first matmul of each thread and
     kept for the process: 64 MiB on an H100, where about 65 MiB stayed
-    allocated after a first step, ../shared/gpu/2026-11-25); none on a CPU.
+    allocated after a first step, ../shared/gpu/2026-11-25), and, when the
+    step runs a matmul with a fused bias (``fused_bias``, an ``addmm``),
+    cuBLASLt's 1 MiB a thread beside them; none on a CPU.
 
     Example::
 
         >>> library_workspace_bytes(DEVICES["h100"]) // 2**20
         64
+        >>> library_workspace_bytes(DEVICES["h100"], fused_bias=True) // 2**20
+        66
     """
     if spec.workspace_bytes is not None:
         return spec.workspace_bytes
     if spec.device_type != "cuda":
         return 0
-    return _CUBLAS_THREADS * _CUBLAS_WORKSPACE[spec.capability >= (9, 0)]
+    lt = _CUBLASLT_WORKSPACE if fused_bias else 0
+    return _CUBLAS_THREADS * (_CUBLAS_WORKSPACE[spec.capability >= (9, 0)] + lt)
 
 
 def _gpu(

@@ -24,7 +24,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from autosac.core.devices import library_workspace_bytes
+from autosac.core.devices import FUSED_BIAS_MATMULS, library_workspace_bytes
 from autosac.core.errors import NothingToCheckpointError, TraceError
 from autosac.core.inputs import split_inputs
 from autosac.core.integrations import caches_off
@@ -123,7 +123,8 @@ def trace_step(
                 step = _trace_routed(once, routing, before)
     finally:
         before.install()
-    workspace = library_workspace_bytes(cost_model.spec) if cost_model is not None else 0
+    fused_bias = not FUSED_BIAS_MATMULS.isdisjoint(step.recording.ops)
+    workspace = library_workspace_bytes(cost_model.spec, fused_bias) if cost_model is not None else 0
     if workspace:  # alive from before the step to after it, as every step finds it
         step.recording.storages.append(StorageRecord(workspace, "workspace", -1))
     return step
