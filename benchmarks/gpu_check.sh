@@ -101,7 +101,7 @@ if part rest; then
   if [ "${FULL:-0}" = 1 ]; then
     step gpu_verify 600 python3 benchmarks/gpu_verify.py "$DIR/gpu_verify.md"
   else
-    step gpu_verify 150 python3 benchmarks/gpu_verify.py "$DIR/gpu_verify.md"  # 101 s was not enough on a fresh H100 (session 8)
+    step gpu_verify 180 python3 benchmarks/gpu_verify.py "$DIR/gpu_verify.md"  # 114 s in session 15, before its interleaved gpt2 rounds (~20 s)
   fi
   step peak_snapshot 40 sh -c "python3 benchmarks/gpu_peak_snapshot.py 70% > '$DIR/gpu_peak_snapshot_70.txt'"
   step trace_vs_allocator 90 sh -c "python3 benchmarks/gpu_trace_vs_allocator.py > '$DIR/gpu_trace_vs_allocator.txt'"
