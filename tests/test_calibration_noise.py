@@ -171,6 +171,7 @@ def test_the_call_gap_figure_is_measured_in_the_rounds_and_checked_for_noise(fre
 
     monkeypatch.setattr(host, "_take_round", lone_call_slow_every_other_round)
     monkeypatch.setattr(host, "_cold_read_us_per_mib", lambda small, large: 40.0)  # not what this checks
+    monkeypatch.setattr(host, "checkpoint_us_per_mib", lambda figures: 50.0)
     got = host._measure(rounds=2, max_rounds=2)
     assert len(taken) == 3 and got.rounds == 2
     assert any("call_gap_us" in reason for reason in got.noisy), got.noisy
@@ -440,6 +441,7 @@ def test_the_calibration_is_noisy_where_other_processes_took_its_threads_cores(f
     # the figures measured apart from the rounds are not what this checks (38 s of a suite on 2 threads)
     monkeypatch.setattr(host, "_call_gap_us", lambda setup, x: 10.0)
     monkeypatch.setattr(host, "_cold_read_us_per_mib", lambda small, large: 40.0)
+    monkeypatch.setattr(host, "checkpoint_us_per_mib", lambda figures: 50.0)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -87,6 +87,56 @@ def test_a_selective_regions_op_calls_cost_more_by_what_they_make_on_a_cpu_targe
     assert [c.mechanism for c in gpu.candidates] == [c.mechanism for c in gpu_plain.candidates]
 
 
+def test_a_checkpointed_calls_machinery_costs_more_by_what_its_ops_make_on_a_cpu_target_only():
+    """``checkpoint_us_per_mib``: every choice of a call, plain or selective,
+    pays it once per share-weighted MiB its forward's ops make; a GPU's
+    kernels evict no host cache."""
+    sized = replace(SIZED, checkpoint_us_per_mib=30.0)
+    stats, with_it = _selective_mechanisms(sized, "cpu")
+    _, without = _selective_mechanisms(SIZED, "cpu")
+    checked = 0
+    for a, b in zip(with_it.candidates, without.candidates):
+        made = stats.timeline.made_bytes[a.window[0] : a.window[1]]
+        extra = sum(extra_us(m, SMALL, LARGE, 30.0) for m in made) / 1e3
+        assert [ma - mb for ma, mb in zip(a.mechanism, b.mechanism)] == pytest.approx([extra] * len(a.mechanism),
+                                                                                       abs=1e-12)
+        checked += extra > 0
+    assert checked
+    _, gpu = _selective_mechanisms(sized, "cuda")
+    _, gpu_without = _selective_mechanisms(SIZED, "cuda")
+    assert [c.mechanism for c in gpu.candidates] == [c.mechanism for c in gpu_without.candidates]
+
+
+def test_the_size_calibration_times_each_region_in_place_checkpointed_and_run_twice():
+    """autosac.tools.calibration_size: in each model copy half the regions are
+    checkpointed by autosac's applier and half run twice, the other way round
+    in the other copy; one step times every region's forward and, by its
+    gradient hooks, its backward (a checkpointed one's replay inside it)."""
+    from autosac.tools import calibration_size as size
+
+    torch.manual_seed(0)
+    copies, x, traced = size._copies(32, 2, 8)
+    assert traced["fqn"] in traced["stats"].modules
+    names = [n for n, m in copies[0][0].named_modules() if isinstance(m, size._Timed)]
+    assert len(names) == 4
+    for k in (0, 1):
+        model, ckpt, twice, plan = copies[k]
+        assert sorted(ckpt + twice) == sorted(names) and not set(ckpt) & set(twice)
+        assert set(plan.decisions) == {f"{n}.region" for n in ckpt}
+        runs = {n: 0 for n in names}
+        hooks = [model.get_submodule(f"{n}.region").register_forward_pre_hook(
+            lambda mod, args, n=n: runs.__setitem__(n, runs[n] + 1)) for n in names]
+        model(x).sum().backward()
+        for h in hooks:
+            h.remove()
+        assert all(runs[n] == 2 for n in twice) and all(runs[n] == 1 for n in ckpt), runs
+        for n in names:
+            fw, start, end = model.get_submodule(n).times
+            assert fw > 0 and end > start > 0  # the backward reached its output, then its input
+    assert copies[0][2] == copies[1][1]  # the kinds swapped between the copies
+    assert math.isfinite(size._mechanism_ms(copies, x, rounds=1))
+
+
 def test_the_fitted_extras_price_the_large_calibration_model_as_measured():
     torch.manual_seed(0)
     model = torch.nn.Sequential(_Block(64, 1), _Block(64, 1))

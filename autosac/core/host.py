@@ -14,16 +14,17 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
-CACHE_KEY = "host-costs-v20"  # bump when the micro-benchmark changes (v12: a large size too, autosac.core.hostsize;
+CACHE_KEY = "host-costs-v21"  # bump when the micro-benchmark changes (v12: a large size too, autosac.core.hostsize;
 # v13: cold_read_us_per_mib, autosac.core.coldread; v14: cast_hook_us; v15: figures as medians of per-round figures;
 # v16: first_call_us; v17: call_gap_us in its place, checkpoint_call_us and saved_tensor_us at no gap;
 # state_item_us; v18: call_gap_us in the rounds, the models' op timings taken anew, medians over noisy calibrations;
 # v19: the trace no longer counts autograd's copies of unpacked saved tensors as backward ops;
-# v20: the ops a checkpoint's replay skips after its last saved tensor added back to the machinery's figures)
+# v20: the ops a checkpoint's replay skips after its last saved tensor added back to the machinery's figures;
+# v21: checkpoint_us_per_mib, autosac.tools.calibration_size)
 _FIELDS = ("op_us", "checkpoint_call_us", "saved_tensor_us", "selective_op_us", "untimed_op_us", "backward_op_us",
            "backward_untimed_us", "small_op_bytes", "large_op_bytes", "untimed_us_per_mib", "backward_untimed_us_per_mib",
            "selective_us_per_mib", "cold_read_us_per_mib", "cast_hook_us", "cast_remake_us", "call_gap_us",
-           "state_item_us")
+           "state_item_us", "checkpoint_us_per_mib")
 _SIGNED = ("backward_untimed_us",)
 _PER_OP = ("op_us", "selective_op_us", "untimed_op_us", "backward_op_us", "backward_untimed_us", "cast_hook_us",
            "cast_remake_us")
@@ -79,6 +80,10 @@ class HostCosts:
     # put back: 0.19-0.20 us each here, warm (a transformers GPT-2 block's capture holds 311 entries,
     # a small MLP block's 93)
     state_item_us: float = 0.0
+    # CPU kernels: what a checkpointed call's machinery costs more per MiB its forward's ops make
+    # (weighted as the per-MiB figures above): it runs cache-cold after large kernels
+    # (autosac.tools.calibration_size; 0: none measured)
+    checkpoint_us_per_mib: float = 0.0
 
     def size_us(self, nbytes: float, us_per_mib: float) -> float:
         """What an op making ``nbytes`` adds to a per-op figure (:func:`autosac.core.hostsize.extra_us`)."""
@@ -110,10 +115,13 @@ class HostCosts:
         forward saves, per item of Python state it captures, (selectively) per
         op call, in the forward and the replay, and :meth:`gap_us` of ``roots``
         for the op calls run since the machinery last ran.  ``op_bytes``: what each op call makes,
-        where its kernels run on this CPU: large ones cost more per MiB they
-        make (:mod:`autosac.core.hostsize`)."""
+        where its kernels run on this CPU: large ones cost the call's machinery
+        (``checkpoint_us_per_mib``) and a selective call's per-op work more per
+        MiB they make (:mod:`autosac.core.hostsize`)."""
         us = self.checkpoint_call_us + saved_tensors * self.saved_tensor_us + self.gap_us(roots)
         us += state_items * self.state_item_us
+        if self.checkpoint_us_per_mib:
+            us += sum(self.size_us(b, self.checkpoint_us_per_mib) for b in op_bytes)
         if selective:
             us += 2 * ops * self.selective_op_us
             us += 2 * sum(self.size_us(b, self.selective_us_per_mib) for b in op_bytes)

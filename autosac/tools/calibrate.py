@@ -35,6 +35,10 @@ own, whatever the kernels cost:
   ``selective_us_per_mib`` (with ``small_op_bytes`` and ``large_op_bytes``):
   where the kernels run on this CPU, what an op making large data adds to
   the three figures above per MiB it makes (:mod:`autosac.core.hostsize`).
+* ``checkpoint_us_per_mib``: where the kernels run on this CPU, what a
+  checkpointed call's machinery costs more per MiB its forward's ops make:
+  its Python runs cache-cold after large kernels, measured inside one step
+  at the large size (:mod:`autosac.tools.calibration_size`).
 * ``cold_read_us_per_mib``: where the kernels run on this CPU, what an
   optimizer's foreach op adds per MiB it reads that the foreach op before it
   did not touch (:mod:`autosac.core.coldread`).
@@ -110,6 +114,7 @@ from autosac.core.noise import (
 )
 from autosac.tools.calibration_history import median_costs, recalled, remember
 from autosac.tools.calibration_models import _Block, _calibration_models, _large_models, _tiny
+from autosac.tools.calibration_size import checkpoint_us_per_mib
 
 _CALIBRATED: HostCosts | None = None
 
@@ -292,6 +297,7 @@ def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, r
     figures = _without_gaps(figures, models)
     if figures.get("large_op_bytes"):
         figures["cold_read_us_per_mib"] = _cold_read_us_per_mib(figures["small_op_bytes"], figures["large_op_bytes"])
+        figures["checkpoint_us_per_mib"] = checkpoint_us_per_mib(figures)
     return Measured(HostCosts(**figures), tuple(reasons), got.rounds)
 
 

@@ -1,0 +1,155 @@
+"""``checkpoint_us_per_mib``: what a checkpointed call's machinery costs more
+where its ops are large, measured within one step.
+
+On this 2-core VM a plain checkpoint of a residual MLP block cost 0.3 ms
+beyond its priced re-run and machinery at width 64, 0.6-1.0 ms at width 256
+(``benchmarks/predict_suite.py``'s compute-bound plans were predicted 4-10
+points low, every one of them): the machinery's Python -- the saved-tensor
+hooks, the frame, the replay's bookkeeping -- runs cache-cold after kernels
+that stream megabytes (inside a pass-through pack hook, 0.4 us at width 64
+against 2.6 us at 256).  The small calibration cannot see it, and the large
+one, timed step against step, could not: its checkpointed block against the
+same block run twice moved by -15 to +8.6 ms from one round to the next, on a
+1-2 ms effect.
+
+So this measures at the large size (:mod:`autosac.core.hostsize`) inside one
+step: four large regions, two checkpointed and two run twice, their kinds
+swapped from one model copy to the other; each region's forward and backward
+timed in place (thread time, its backward from its output's gradient to its
+input's).  Regions side by side see the same moment of the machine, so the
+drift that swamps step-to-step differences cancels (per round, the
+difference moved by about +-0.4 ms here).  The call's mechanism is the
+checkpointed region's time less the twice-run one's, plus what the replay
+skips after its last saved tensor; what it costs beyond the small figures'
+price of such a call, per MiB its forward's ops make (weighted as the other
+per-MiB figures: :func:`autosac.core.hostsize.share`), is the figure.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+import warnings
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from autosac.tools.calibration_models import _Block, _Layer
+
+_REGIONS = 4  # large regions in the model, half checkpointed in each copy
+
+
+class _Timed(nn.Module):
+    """A region whose call is timed in place: its forward (run twice where
+    ``twice``) and, through gradient hooks on its output and its input, its
+    backward, in this thread's CPU time."""
+
+    def __init__(self, region: nn.Module) -> None:
+        super().__init__()
+        self.region = region
+        self.twice = False
+        self.timing = False
+        self.times = [0.0, 0.0, 0.0]  # forward, backward start, backward end
+
+    def forward(self, x):
+        t = time.thread_time()
+        if self.twice:
+            self.region(x)
+        y = self.region(x)
+        self.times[0] = time.thread_time() - t
+        if self.timing and y.requires_grad and x.requires_grad:
+            y.register_hook(self._started)
+            x.register_hook(self._ended)
+        return y
+
+    def _started(self, grad):
+        self.times[1] = time.thread_time()
+
+    def _ended(self, grad):
+        self.times[2] = time.thread_time()
+
+    def seconds(self) -> float:
+        return self.times[0] + self.times[2] - self.times[1]
+
+
+def _copies(width: int, batch: int, seq: int) -> tuple[dict, torch.Tensor, dict]:
+    """The two model copies (regions at even positions 1, 5 checkpointed in
+    one and run twice in the other; 3, 7 the other way round), the input,
+    and the trace's figures of one region (``autosac.trace.profile``)."""
+    import autosac.applier
+    import autosac.trace
+    from autosac.core.devices import DEVICES
+    from autosac.core.host import HostCosts
+    from autosac.solver import plan_from_decisions
+
+    x = torch.randn(batch, seq, width)
+    model = nn.Sequential(*[m for _ in range(_REGIONS) for m in (_Layer(width), _Timed(_Block(width, 1)))])
+    spec = replace(DEVICES["cpu"], host=HostCosts())  # zero host costs: no calibration inside the calibration
+    stats = autosac.trace.profile(model, x, target=spec, optimizer="none", output_held=False)
+    timed = [str(i) for i in range(1, 2 * _REGIONS, 2)]
+    groups = (timed[0::2], timed[1::2])
+    copies = {}
+    for k, (ckpt, twice) in enumerate((groups, groups[::-1])):
+        plan = plan_from_decisions(stats, {f"{name}.region": 1.0 for name in ckpt})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m = autosac.applier.apply(copy.deepcopy(model), plan)
+        for name in twice:
+            m.get_submodule(name).twice = True
+        for name in timed:
+            m.get_submodule(name).timing = True
+        copies[k] = (m, ckpt, twice, plan)
+    return copies, x, {"stats": stats, "fqn": f"{timed[0]}.region"}
+
+
+def _mechanism_ms(copies: dict, x: torch.Tensor, rounds: int) -> float:
+    """The median over ``rounds`` of each round's checkpointed region's time
+    less the twice-run one's (both copies, a step of each, in turn)."""
+    per_round = []
+    for r in range(rounds + 1):
+        diffs = []
+        for k in ((0, 1) if r % 2 else (1, 0)):
+            m, ckpt, twice, _ = copies[k]
+            m(x).sum().backward()
+            t = {name: m.get_submodule(name).seconds() for name in ckpt + twice}
+            diffs.append(statistics.mean(t[n] for n in ckpt) - statistics.mean(t[n] for n in twice))
+        if r:  # the first round warms up
+            per_round.append(statistics.mean(diffs) * 1e3)
+    return statistics.median(per_round)
+
+
+def checkpoint_us_per_mib(figures: dict, rounds: int = 8) -> float:
+    """``checkpoint_us_per_mib`` (see the module's docstring): ``figures``, the
+    small calibration's (``checkpoint_call_us``, ``saved_tensor_us``,
+    ``call_gap_us``, ``state_item_us``, ``op_us``, ``small_op_bytes`` and
+    ``large_op_bytes``); never below 0."""
+    from autosac.core.host import HostCosts, gap_roots
+    from autosac.core.hostsize import LARGE_BATCH, LARGE_SEQ, LARGE_WIDTH, extra_us
+    from autosac.solver.problem import build_problem
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        copies, x, traced = _copies(LARGE_WIDTH, LARGE_BATCH, LARGE_SEQ)
+    stats, fqn = traced["stats"], traced["fqn"]
+    m = stats.modules[fqn]
+    w0, w1 = m.fw_windows[0]
+    stop = m.replay_end()
+    tl = stats.timeline
+    # a replay stops in its last saved tensor's op, where the twice-run region runs every op: add back the
+    # kernels it skips and the host time of the op calls after that one
+    skipped_ms = float(sum(tl.ms[stop:w1])) + max(0, w1 - stop - 1) * figures["op_us"] / 1e3
+    measured_us = (_mechanism_ms(copies, x, rounds) + skipped_ms) * 1e3
+    host = HostCosts(**{k: v for k, v in figures.items() if k in HostCosts.__dataclass_fields__})
+    points = {c.fqn: (c.window[0], c.end) for c in build_problem(stats).candidates}
+    ckpt = copies[0][1]
+    roots = gap_roots([p for name in ckpt for p in points[f"{name}.region"]], len(tl.ops)) / len(ckpt)
+    priced_us = host.checkpoint_ms(m.saved_tensors[0], w1 - w0, selective=False, roots=roots,
+                                   state_items=m.state_items) * 1e3
+    small, large = figures.get("small_op_bytes", 0.0), figures.get("large_op_bytes", 0.0)
+    mib = sum(extra_us(b, small, large, 1.0) for b in tl.made_bytes[w0:w1])
+    return round(max(0.0, (measured_us - priced_us) / mib), 3) if mib > 0 else 0.0
+
+
+__all__ = ["checkpoint_us_per_mib"]
