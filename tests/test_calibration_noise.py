@@ -20,6 +20,7 @@ from autosac.core import noise
 from autosac.core.host import HostCosts
 from autosac.tools import calibrate as host
 from autosac.tools.calibrate import Measured
+from autosac.tools.calibration_size import SizeFigure
 from autosac.trace import costs, timings
 from autosac.trace.timings import TimingCache, cache_path, is_outlier
 
@@ -148,7 +149,7 @@ def test_the_calibration_marks_its_figures_noisy_when_its_thread_shares_a_core(f
     monkeypatch.setattr(host, "_take_round", half_a_core)
     got = host._measure(rounds=2, max_rounds=4)
     assert got.rounds == 4 and len(shares) == 5  # a warm-up, two rounds, doubled once
-    assert got.noisy and "50% of a core" in got.noisy[-1]
+    assert "the measuring thread had 50% of a core" in got.noisy, got.noisy
     assert got.costs.op_us > 0
 
 
@@ -171,10 +172,13 @@ def test_the_call_gap_figure_is_measured_in_the_rounds_and_checked_for_noise(fre
 
     monkeypatch.setattr(host, "_take_round", lone_call_slow_every_other_round)
     monkeypatch.setattr(host, "_cold_read_us_per_mib", lambda small, large: 40.0)  # not what this checks
-    monkeypatch.setattr(host, "checkpoint_us_per_mib", lambda figures: 50.0)
+    # the per-MiB machinery figure times its own rounds: its thread's share of a core is judged too
+    monkeypatch.setattr(host, "checkpoint_us_per_mib", lambda figures: SizeFigure(50.0, 0.6))
     got = host._measure(rounds=2, max_rounds=2)
     assert len(taken) == 3 and got.rounds == 2
     assert any("call_gap_us" in reason for reason in got.noisy), got.noisy
+    assert "the thread timing checkpoint_us_per_mib had 60% of a core" in got.noisy
+    assert got.costs.checkpoint_us_per_mib == 50.0
 
 
 def test_the_call_gap_figure_is_judged_against_the_lone_call_it_prices():
@@ -441,7 +445,7 @@ def test_the_calibration_is_noisy_where_other_processes_took_its_threads_cores(f
     # the figures measured apart from the rounds are not what this checks (38 s of a suite on 2 threads)
     monkeypatch.setattr(host, "_call_gap_us", lambda setup, x: 10.0)
     monkeypatch.setattr(host, "_cold_read_us_per_mib", lambda small, large: 40.0)
-    monkeypatch.setattr(host, "checkpoint_us_per_mib", lambda figures: 50.0)
+    monkeypatch.setattr(host, "checkpoint_us_per_mib", lambda figures: SizeFigure(50.0, 1.0))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

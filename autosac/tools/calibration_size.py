@@ -32,6 +32,7 @@ import statistics
 import time
 import warnings
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -120,13 +121,30 @@ def _mechanism_ms(copies: dict, x: torch.Tensor, rounds: int) -> float:
     return statistics.median(per_round)
 
 
-def checkpoint_us_per_mib(figures: dict, rounds: int = 8) -> float:
-    """``checkpoint_us_per_mib`` (see the module's docstring): ``figures``, the
-    small calibration's (``checkpoint_call_us``, ``saved_tensor_us``,
+class SizeFigure(NamedTuple):
+    """What :func:`checkpoint_us_per_mib` measured: the figure, and the share
+    of a core its thread had while timing (below
+    :data:`autosac.core.noise.MIN_SHARE`: measured beside other work)."""
+
+    us_per_mib: float
+    share: float
+
+
+def checkpoint_us_per_mib(figures: dict, rounds: int = 8) -> SizeFigure:
+    """``checkpoint_us_per_mib`` (see the module's docstring), never below 0,
+    and the timing thread's share of a core.  ``figures``: the small
+    calibration's (``checkpoint_call_us``, ``saved_tensor_us``,
     ``call_gap_us``, ``state_item_us``, ``op_us``, ``small_op_bytes`` and
-    ``large_op_bytes``); never below 0."""
+    ``large_op_bytes``).  About 5 s on this 2-core machine.
+
+    Example::
+
+        >>> checkpoint_us_per_mib(calibrate().to_dict())
+        SizeFigure(us_per_mib=102.1, share=0.99)
+    """
     from autosac.core.host import HostCosts, gap_roots
     from autosac.core.hostsize import LARGE_BATCH, LARGE_SEQ, LARGE_WIDTH, extra_us
+    from autosac.core.noise import share_meter
     from autosac.solver.problem import build_problem
 
     with torch.random.fork_rng(devices=[]):
@@ -140,7 +158,9 @@ def checkpoint_us_per_mib(figures: dict, rounds: int = 8) -> float:
     # a replay stops in its last saved tensor's op, where the twice-run region runs every op: add back the
     # kernels it skips and the host time of the op calls after that one
     skipped_ms = float(sum(tl.ms[stop:w1])) + max(0, w1 - stop - 1) * figures["op_us"] / 1e3
+    share = share_meter()
     measured_us = (_mechanism_ms(copies, x, rounds) + skipped_ms) * 1e3
+    share = share()
     host = HostCosts(**{k: v for k, v in figures.items() if k in HostCosts.__dataclass_fields__})
     points = {c.fqn: (c.window[0], c.end) for c in build_problem(stats).candidates}
     ckpt = copies[0][1]
@@ -149,7 +169,8 @@ def checkpoint_us_per_mib(figures: dict, rounds: int = 8) -> float:
                                    state_items=m.state_items) * 1e3
     small, large = figures.get("small_op_bytes", 0.0), figures.get("large_op_bytes", 0.0)
     mib = sum(extra_us(b, small, large, 1.0) for b in tl.made_bytes[w0:w1])
-    return round(max(0.0, (measured_us - priced_us) / mib), 3) if mib > 0 else 0.0
+    rate = round(max(0.0, (measured_us - priced_us) / mib), 3) if mib > 0 else 0.0
+    return SizeFigure(rate, share)
 
 
-__all__ = ["checkpoint_us_per_mib"]
+__all__ = ["SizeFigure", "checkpoint_us_per_mib"]
