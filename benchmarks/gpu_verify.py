@@ -114,7 +114,8 @@ def _interleaved(name, cfg, state, plans, out, device="cuda"):
         pred = f"{predicted:+.1%}" if predicted is not None else "-"
         out.append(f"| {label} | {pred} | {statistics.median(ratios):+.1%} | {min(ratios):+.1%} .. "
                    f"{max(ratios):+.1%} | {statistics.median(times[label]):.1f} ms |")
-    del models, opts
+    models.clear()  # the copies off the GPU before the next model
+    opts.clear()
 
 
 def _release():

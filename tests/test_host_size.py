@@ -125,7 +125,7 @@ def test_the_size_calibration_times_each_region_in_place_checkpointed_and_run_tw
         assert set(plan.decisions) == {f"{n}.region" for n in ckpt}
         runs = {n: 0 for n in names}
         hooks = [model.get_submodule(f"{n}.region").register_forward_pre_hook(
-            lambda mod, args, n=n: runs.__setitem__(n, runs[n] + 1)) for n in names]
+            lambda mod, args, n=n, runs=runs: runs.__setitem__(n, runs[n] + 1)) for n in names]
         model(x).sum().backward()
         for h in hooks:
             h.remove()
