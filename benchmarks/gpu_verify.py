@@ -11,7 +11,8 @@ also compared with the unplanned one from the same weights and seed: loss and
 gradients.
 
 For gpt2 the same variants are then timed again side by side: every variant
-resident at once, one step of each per round in turn, the overhead the median
+resident at once, each timed for one step after a warm-up step, in turn each
+round, the overhead the median
 over rounds of each round's ratio to the unplanned step (``ROUNDS``).  The
 sequential rows above are minutes apart; on a host-bound step the host's drift
 over that time reads as overhead (session 15: gpt2's 50 % plan 93.2, 95.3,

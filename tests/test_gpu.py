@@ -28,7 +28,7 @@ def test_the_cublas_workspace_is_what_the_prediction_counts():
     kept = torch.cuda.memory_allocated() - before
     major, minor = torch.cuda.get_device_capability()
     name = "h100" if major >= 9 else "a100"
-    expected = library_workspace_bytes(DEVICES[name])
+    expected = library_workspace_bytes(DEVICES[name], fused_bias=True)  # gpt2's Linears fuse their biases
     assert abs(kept - expected) <= 2 << 20, (kept, expected)
 
 

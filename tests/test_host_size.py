@@ -123,18 +123,52 @@ def test_the_size_calibration_times_each_region_in_place_checkpointed_and_run_tw
         model, ckpt, twice, plan = copies[k]
         assert sorted(ckpt + twice) == sorted(names) and not set(ckpt) & set(twice)
         assert set(plan.decisions) == {f"{n}.region" for n in ckpt}
-        runs = {n: 0 for n in names}
-        hooks = [model.get_submodule(f"{n}.region").register_forward_pre_hook(
-            lambda mod, args, n=n, runs=runs: runs.__setitem__(n, runs[n] + 1)) for n in names]
+        # the region's own call: once where checkpointed (its replay calls its forward, not the module),
+        # twice where run twice; its first layer's: twice in both (the replay runs it again)
+        runs = {n: [0, 0] for n in names}
+        hooks = [model.get_submodule(f"{n}.{sub}").register_forward_pre_hook(
+            lambda mod, args, n=n, i=i, runs=runs: runs[n].__setitem__(i, runs[n][i] + 1))
+            for n in names for i, sub in enumerate(("region", "region.layers.0"))]
         model(x).sum().backward()
         for h in hooks:
             h.remove()
-        assert all(runs[n] == 2 for n in twice) and all(runs[n] == 1 for n in ckpt), runs
+        assert all(runs[n] == [2, 2] for n in twice) and all(runs[n] == [1, 2] for n in ckpt), runs
         for n in names:
             fw, start, end = model.get_submodule(n).times
             assert fw > 0 and end > start > 0  # the backward reached its output, then its input
     assert copies[0][2] == copies[1][1]  # the kinds swapped between the copies
     assert math.isfinite(size._mechanism_ms(copies, x, rounds=1))
+
+
+def test_the_size_figure_is_what_a_call_measured_beyond_its_price_per_weighted_mib(monkeypatch):
+    """checkpoint_us_per_mib's arithmetic: a call measured at exactly the small
+    figures' price (its machinery, gaps and state; less what the replay skips
+    after its last saved tensor) plus K us per share-weighted MiB its
+    forward's ops make reads K; measured under its price, 0."""
+    from autosac.core.host import gap_roots
+    from autosac.core.hostsize import LARGE_BATCH, LARGE_SEQ, LARGE_WIDTH
+    from autosac.tools import calibration_size as size
+
+    figures = {"op_us": 10.0, "checkpoint_call_us": 150.0, "saved_tensor_us": 20.0, "call_gap_us": 15.0,
+               "state_item_us": 0.3, "small_op_bytes": 25_000.0, "large_op_bytes": 800_000.0}
+    torch.manual_seed(0)
+    copies, _, traced = size._copies(LARGE_WIDTH, LARGE_BATCH, LARGE_SEQ)  # as the figure's own call makes them
+    stats, fqn = traced["stats"], traced["fqn"]
+    m, tl = stats.modules[fqn], stats.timeline
+    (w0, w1), stop = m.fw_windows[0], m.replay_end()
+    points = {c.fqn: (c.window[0], c.end) for c in build_problem(stats).candidates}
+    roots = sum(gap_roots([p for n in ck for p in points[f"{n}.region"]], len(tl.ops)) / 2
+                for _, ck, _, _ in copies.values()) / 2
+    price_us = 150.0 + 20.0 * m.saved_tensors[0] + 15.0 * roots + 0.3 * m.state_items
+    skipped_us = sum(tl.ms[stop:w1]) * 1e3 + (w1 - stop - 1) * 10.0
+    mib = sum(extra_us(b, 25_000.0, 800_000.0, 1.0) for b in tl.made_bytes[w0:w1])
+    assert mib > 1.0  # its ops are large: most of them past the large size
+    for k, expected in ((80.0, 80.0), (-30.0, 0.0)):
+        measured_ms = (price_us + k * mib - skipped_us) / 1e3  # what the side-by-side rounds would read
+        monkeypatch.setattr(size, "_copies", lambda *a, c=copies, t=traced: (c, None, t))
+        monkeypatch.setattr(size, "_mechanism_ms", lambda copies, x, rounds, v=measured_ms: v)
+        got = size.checkpoint_us_per_mib(figures)
+        assert got.us_per_mib == pytest.approx(expected, abs=1e-3)
 
 
 def test_the_fitted_extras_price_the_large_calibration_model_as_measured():

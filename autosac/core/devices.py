@@ -87,8 +87,10 @@ _CUBLAS_THREADS = 2
 # cuBLASLt's own workspace, made by the first matmul with a fused bias (``addmm``)
 # of each thread: PyTorch's default CUBLASLT_WORKSPACE_SIZE, 1 MiB.  Measured on
 # an H100, torch 2.11: one biased ``F.linear`` left 33 MiB, an unbiased one 32
-# (benchmarks/results/gpu-2026-11-27-1120/lt_workspace.txt).  Counted for both
-# threads: a checkpointed forward re-runs its matmuls on autograd's.
+# (benchmarks/results/gpu-2026-11-27-1120/lt_workspace.txt; 64 and 65 after the backward, whose
+# matmuls fuse nothing).  Counted for both threads, as a plan's checkpointed forward re-runs its
+# biased matmuls on autograd's: an unplanned step, or a plan that replays none, reads 1 MiB high
+# (the side a budget is safe on).  Measured on an H100 only; the same 1 MiB is assumed before Hopper.
 _CUBLASLT_WORKSPACE = 1 * MIB
 FUSED_BIAS_MATMULS = frozenset({"addmm", "_addmm_activation"})
 

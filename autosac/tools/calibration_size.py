@@ -76,9 +76,10 @@ class _Timed(nn.Module):
 
 
 def _copies(width: int, batch: int, seq: int) -> tuple[dict, torch.Tensor, dict]:
-    """The two model copies (regions at even positions 1, 5 checkpointed in
-    one and run twice in the other; 3, 7 the other way round), the input,
-    and the trace's figures of one region (``autosac.trace.profile``)."""
+    """The two model copies (the regions, children 1, 3, 5 and 7, each after a
+    plain layer: 1 and 5 checkpointed in one copy and run twice in the other,
+    3 and 7 the other way round), the input, and the trace's figures of one
+    region (``autosac.trace.profile``)."""
     import autosac.applier
     import autosac.trace
     from autosac.core.devices import DEVICES
@@ -163,8 +164,9 @@ def checkpoint_us_per_mib(figures: dict, rounds: int = 8) -> SizeFigure:
     share = share()
     host = HostCosts(**{k: v for k, v in figures.items() if k in HostCosts.__dataclass_fields__})
     points = {c.fqn: (c.window[0], c.end) for c in build_problem(stats).candidates}
-    ckpt = copies[0][1]
-    roots = gap_roots([p for name in ckpt for p in points[f"{name}.region"]], len(tl.ops)) / len(ckpt)
+    # the gaps the measured calls ran at: each copy's checkpointed regions, both copies alike
+    roots = statistics.mean(gap_roots([p for name in ckpt for p in points[f"{name}.region"]], len(tl.ops)) / len(ckpt)
+                            for _, ckpt, _, _ in copies.values())
     priced_us = host.checkpoint_ms(m.saved_tensors[0], w1 - w0, selective=False, roots=roots,
                                    state_items=m.state_items) * 1e3
     small, large = figures.get("small_op_bytes", 0.0), figures.get("large_op_bytes", 0.0)
