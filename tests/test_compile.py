@@ -461,7 +461,8 @@ def test_a_compiled_plan_for_a_cuda_target_is_fitted_without_a_gpu():
                                             autocast=torch.bfloat16)
         autosac.unapply(model)
         rng_states = len(p.decisions) * (torch.get_rng_state().numel() + 16)  # what each region's checkpoint keeps
-        assert again.peak_bytes + rng_states == p.predicted_peak_bytes and again.breakdown["workspace"] == 64 << 20
+        # cuBLAS's workspaces and cuBLASLt's for gpt2's biased matmuls, which inductor's graphs keep as addmm
+        assert again.peak_bytes + rng_states == p.predicted_peak_bytes and again.breakdown["workspace"] == 66 << 20
     assert stale_dispatch_choices() == []
 
 
