@@ -173,11 +173,12 @@ def test_the_call_gap_figure_is_measured_in_the_rounds_and_checked_for_noise(fre
     monkeypatch.setattr(host, "_take_round", lone_call_slow_every_other_round)
     monkeypatch.setattr(host, "_cold_read_us_per_mib", lambda small, large: 40.0)  # not what this checks
     # the per-MiB machinery figure times its own rounds: its thread's share of a core is judged too
-    monkeypatch.setattr(host, "checkpoint_us_per_mib", lambda figures: SizeFigure(50.0, 0.6))
+    monkeypatch.setattr(host, "checkpoint_us_per_mib", lambda figures: SizeFigure(50.0, 0.6, steady=False))
     got = host._measure(rounds=2, max_rounds=2)
     assert len(taken) == 3 and got.rounds == 2
     assert any("call_gap_us" in reason for reason in got.noisy), got.noisy
     assert "the thread timing checkpoint_us_per_mib had 60% of a core" in got.noisy
+    assert "checkpoint_us_per_mib's even and odd rounds differed by more than 10%" in got.noisy
     assert got.costs.checkpoint_us_per_mib == 50.0
 
 

@@ -137,7 +137,8 @@ def test_the_size_calibration_times_each_region_in_place_checkpointed_and_run_tw
             fw, start, end = model.get_submodule(n).times
             assert fw > 0 and end > start > 0  # the backward reached its output, then its input
     assert copies[0][2] == copies[1][1]  # the kinds swapped between the copies
-    assert math.isfinite(size._mechanism_ms(copies, x, rounds=1))
+    (one,) = size._mechanism_ms(copies, x, rounds=1)  # a warm-up round, then the one asked for
+    assert math.isfinite(one)
 
 
 def test_the_size_figure_is_what_a_call_measured_beyond_its_price_per_weighted_mib(monkeypatch):
@@ -163,12 +164,18 @@ def test_the_size_figure_is_what_a_call_measured_beyond_its_price_per_weighted_m
     skipped_us = sum(tl.ms[stop:w1]) * 1e3 + (w1 - stop - 1) * 10.0
     mib = sum(extra_us(b, 25_000.0, 800_000.0, 1.0) for b in tl.made_bytes[w0:w1])
     assert mib > 1.0  # its ops are large: most of them past the large size
+    monkeypatch.setattr(size, "_copies", lambda *a: (copies, None, traced))
     for k, expected in ((80.0, 80.0), (-30.0, 0.0)):
         measured_ms = (price_us + k * mib - skipped_us) / 1e3  # what the side-by-side rounds would read
-        monkeypatch.setattr(size, "_copies", lambda *a, c=copies, t=traced: (c, None, t))
-        monkeypatch.setattr(size, "_mechanism_ms", lambda copies, x, rounds, v=measured_ms: v)
+        # rounds around it, their median that: even and odd rounds agree within 10 % of the call's machinery
+        rounds = [measured_ms - 0.01, measured_ms, measured_ms + 0.01, measured_ms]
+        monkeypatch.setattr(size, "_mechanism_ms", lambda copies, x, n, r=rounds: r)
         got = size.checkpoint_us_per_mib(figures)
-        assert got.us_per_mib == pytest.approx(expected, abs=1e-3)
+        assert got.us_per_mib == pytest.approx(expected, abs=1e-3) and got.steady
+    machinery_ms = (price_us + 80.0 * mib) / 1e3
+    apart = [measured_ms, measured_ms + 0.2 * machinery_ms] * 2  # odd rounds 20 % of it above the even ones
+    monkeypatch.setattr(size, "_mechanism_ms", lambda copies, x, n: apart)
+    assert not size.checkpoint_us_per_mib(figures).steady
 
 
 def test_the_fitted_extras_price_the_large_calibration_model_as_measured():

@@ -307,6 +307,8 @@ def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, r
         figures["checkpoint_us_per_mib"] = size.us_per_mib
         if 0 < size.share < MIN_SHARE:  # its rounds are its own: beside other work it read 0-150 us/MiB, 102-115 alone
             reasons.append(f"the thread timing checkpoint_us_per_mib had {size.share:.0%} of a core")
+        if not size.steady:
+            reasons.append(f"checkpoint_us_per_mib's even and odd rounds differed by more than {TOLERANCE:.0%}")
     return Measured(HostCosts(**figures), tuple(reasons), got.rounds)
 
 

@@ -106,9 +106,9 @@ def _copies(width: int, batch: int, seq: int) -> tuple[dict, torch.Tensor, dict]
     return copies, x, {"stats": stats, "fqn": f"{timed[0]}.region"}
 
 
-def _mechanism_ms(copies: dict, x: torch.Tensor, rounds: int) -> float:
-    """The median over ``rounds`` of each round's checkpointed region's time
-    less the twice-run one's (both copies, a step of each, in turn)."""
+def _mechanism_ms(copies: dict, x: torch.Tensor, rounds: int) -> list[float]:
+    """Each of ``rounds`` rounds' checkpointed region's time less the
+    twice-run one's, in ms (both copies, a step of each, in turn)."""
     per_round = []
     for r in range(rounds + 1):
         diffs = []
@@ -119,16 +119,20 @@ def _mechanism_ms(copies: dict, x: torch.Tensor, rounds: int) -> float:
             diffs.append(statistics.mean(t[n] for n in ckpt) - statistics.mean(t[n] for n in twice))
         if r:  # the first round warms up
             per_round.append(statistics.mean(diffs) * 1e3)
-    return statistics.median(per_round)
+    return per_round
 
 
 class SizeFigure(NamedTuple):
-    """What :func:`checkpoint_us_per_mib` measured: the figure, and the share
-    of a core its thread had while timing (below
-    :data:`autosac.core.noise.MIN_SHARE`: measured beside other work)."""
+    """What :func:`checkpoint_us_per_mib` measured: the figure, the share of a
+    core its thread had while timing (below :data:`autosac.core.noise.MIN_SHARE`:
+    measured beside other work), and whether the medians of its even and its
+    odd rounds agree within :data:`autosac.core.noise.TOLERANCE` of the
+    call's measured machinery (on a quiet machine here they differed by
+    0.05-0.2 ms on about 2.2)."""
 
     us_per_mib: float
     share: float
+    steady: bool = True
 
 
 def checkpoint_us_per_mib(figures: dict, rounds: int = 8) -> SizeFigure:
@@ -141,11 +145,11 @@ def checkpoint_us_per_mib(figures: dict, rounds: int = 8) -> SizeFigure:
     Example::
 
         >>> checkpoint_us_per_mib(calibrate().to_dict())
-        SizeFigure(us_per_mib=102.1, share=0.99)
+        SizeFigure(us_per_mib=102.1, share=0.99, steady=True)
     """
     from autosac.core.host import HostCosts, gap_roots
     from autosac.core.hostsize import LARGE_BATCH, LARGE_SEQ, LARGE_WIDTH, extra_us
-    from autosac.core.noise import share_meter
+    from autosac.core.noise import TOLERANCE, share_meter
     from autosac.solver.problem import build_problem
 
     with torch.random.fork_rng(devices=[]):
@@ -160,8 +164,11 @@ def checkpoint_us_per_mib(figures: dict, rounds: int = 8) -> SizeFigure:
     # kernels it skips and the host time of the op calls after that one
     skipped_ms = float(sum(tl.ms[stop:w1])) + max(0, w1 - stop - 1) * figures["op_us"] / 1e3
     share = share_meter()
-    measured_us = (_mechanism_ms(copies, x, rounds) + skipped_ms) * 1e3
+    per_round = _mechanism_ms(copies, x, rounds)
     share = share()
+    measured_us = (statistics.median(per_round) + skipped_ms) * 1e3
+    halves = abs(statistics.median(per_round[0::2]) - statistics.median(per_round[1::2])) * 1e3
+    steady = len(per_round) < 2 or halves <= TOLERANCE * abs(measured_us)
     host = HostCosts(**{k: v for k, v in figures.items() if k in HostCosts.__dataclass_fields__})
     points = {c.fqn: (c.window[0], c.end) for c in build_problem(stats).candidates}
     # the gaps the measured calls ran at: each copy's checkpointed regions, both copies alike
@@ -172,7 +179,7 @@ def checkpoint_us_per_mib(figures: dict, rounds: int = 8) -> SizeFigure:
     small, large = figures.get("small_op_bytes", 0.0), figures.get("large_op_bytes", 0.0)
     mib = sum(extra_us(b, small, large, 1.0) for b in tl.made_bytes[w0:w1])
     rate = round(max(0.0, (measured_us - priced_us) / mib), 3) if mib > 0 else 0.0
-    return SizeFigure(rate, share)
+    return SizeFigure(rate, share, steady)
 
 
 __all__ = ["SizeFigure", "checkpoint_us_per_mib"]
