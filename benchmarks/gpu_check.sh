@@ -81,7 +81,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, and note t
 }
 part() { [ -z "${PART:-}" ] || [ "$PART" = "$1" ]; }
 
-step calibrate 60 python3 -m autosac.cli calibrate
+step calibrate 90 python3 -m autosac.cli calibrate  # 43 s in session 15, before the in-step size figure (~5-10 s more)
 if part compile; then
   step partitioner_peaks 150 python3 benchmarks/gpu_partitioner_peaks.py "$DIR/gpu_partitioner_peaks.md" --fractions 1.0
   if [ "${FULL:-0}" = 1 ]; then
