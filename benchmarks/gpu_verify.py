@@ -61,6 +61,12 @@ def _one_step(model, idx, seed=0):
     return loss.detach(), grads
 
 
+def _checkpoint_every_block(model):
+    """``torch.utils.checkpoint`` (non-reentrant) around each of ``model``'s blocks (its ``blocks`` or ``layers``)."""
+    for blk in (model.blocks if hasattr(model, "blocks") else model.layers):
+        blk.forward = functools.partial(checkpoint, blk.forward, use_reentrant=False)
+
+
 def _interleaved(name, cfg, state, plans, out, device="cuda"):
     """Each of ``plans`` ([(label, plan, predicted overhead)]) applied to its
     own copy of the model, with the unplanned model and torch's checkpoint of
@@ -76,8 +82,7 @@ def _interleaved(name, cfg, state, plans, out, device="cuda"):
         m, idx = build_model(name, device=device, **cfg)
         m.load_state_dict(state)
         if plan == "ckpt":
-            for blk in (m.blocks if hasattr(m, "blocks") else m.layers):
-                blk.forward = functools.partial(checkpoint, blk.forward, use_reentrant=False)
+            _checkpoint_every_block(m)
         elif plan is not None:
             autosac.apply(m, plan)
         models[label], opts[label] = m, torch.optim.AdamW(m.parameters(), lr=1e-4)
@@ -139,11 +144,9 @@ def verify_model(label, name, cfg, out):
                f"step predicted {stats.step_ms:.1f} ms, measured {base.step_ms:.1f} ms\n")
     plain, _ = build_model(name, device="cuda", **cfg)
     plain.load_state_dict(state)
-    blocks = plain.blocks if hasattr(plain, "blocks") else plain.layers
-    for blk in blocks:  # torch's own checkpoint of every block, for reference: no autosac code in the step
-        blk.forward = functools.partial(checkpoint, blk.forward, use_reentrant=False)
+    _checkpoint_every_block(plain)  # torch's own checkpoint of every block, for reference: no autosac code in the step
     ref_m = autosac.measure(plain, idx, steps=5, autocast=BF16)
-    del plain, blocks, blk  # blk: the loop's last block, whose weights would stay on the GPU (0.17 GiB on Llama)
+    del plain
     _release()
     out.append(f"torch.utils.checkpoint of every block (no autosac): peak {format_bytes(ref_m.peak_bytes)}, "
                f"step {ref_m.step_ms:.1f} ms ({ref_m.step_ms / base.step_ms - 1:+.1%})\n")

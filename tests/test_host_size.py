@@ -69,10 +69,17 @@ def _selective_mechanisms(host: HostCosts, device_type: str):
     return stats, build_problem(stats)
 
 
+def _with_and_without(sized: HostCosts, without: HostCosts):
+    """The trace's stats and both hosts' candidates on a CPU target, and both hosts' mechanisms on a CUDA one."""
+    stats, a = _selective_mechanisms(sized, "cpu")
+    _, b = _selective_mechanisms(without, "cpu")
+    gpu = [[c.mechanism for c in _selective_mechanisms(h, "cuda")[1].candidates] for h in (sized, without)]
+    return stats, a, b, gpu
+
+
 def test_a_selective_regions_op_calls_cost_more_by_what_they_make_on_a_cpu_target_only():
     without = replace(SIZED, selective_us_per_mib=0.0)
-    stats, sized = _selective_mechanisms(SIZED, "cpu")
-    _, plain = _selective_mechanisms(without, "cpu")
+    stats, sized, plain, (gpu, gpu_plain) = _with_and_without(SIZED, without)
     checked = 0
     for a, b in zip(sized.candidates, plain.candidates):
         made = stats.timeline.made_bytes[a.window[0] : a.window[1]]
@@ -82,18 +89,14 @@ def test_a_selective_regions_op_calls_cost_more_by_what_they_make_on_a_cpu_targe
             assert ma - mb == pytest.approx(extra if selective else 0.0, abs=1e-12)
             checked += selective and extra > 0
     assert checked  # some choice is selective, over ops larger than the small size
-    _, gpu = _selective_mechanisms(SIZED, "cuda")
-    _, gpu_plain = _selective_mechanisms(without, "cuda")
-    assert [c.mechanism for c in gpu.candidates] == [c.mechanism for c in gpu_plain.candidates]
+    assert gpu == gpu_plain
 
 
 def test_a_checkpointed_calls_machinery_costs_more_by_what_its_ops_make_on_a_cpu_target_only():
     """``checkpoint_us_per_mib``: every choice of a call, plain or selective,
     pays it once per share-weighted MiB its forward's ops make; a GPU's
     kernels evict no host cache."""
-    sized = replace(SIZED, checkpoint_us_per_mib=30.0)
-    stats, with_it = _selective_mechanisms(sized, "cpu")
-    _, without = _selective_mechanisms(SIZED, "cpu")
+    stats, with_it, without, (gpu, gpu_without) = _with_and_without(replace(SIZED, checkpoint_us_per_mib=30.0), SIZED)
     checked = 0
     for a, b in zip(with_it.candidates, without.candidates):
         made = stats.timeline.made_bytes[a.window[0] : a.window[1]]
@@ -102,9 +105,7 @@ def test_a_checkpointed_calls_machinery_costs_more_by_what_its_ops_make_on_a_cpu
                                                                                        abs=1e-12)
         checked += extra > 0
     assert checked
-    _, gpu = _selective_mechanisms(sized, "cuda")
-    _, gpu_without = _selective_mechanisms(SIZED, "cuda")
-    assert [c.mechanism for c in gpu.candidates] == [c.mechanism for c in gpu_without.candidates]
+    assert gpu == gpu_without
 
 
 def test_the_size_calibration_times_each_region_in_place_checkpointed_and_run_twice():

@@ -113,7 +113,7 @@ from autosac.core.noise import (
     steady,
 )
 from autosac.tools.calibration_history import median_costs, recalled, remember
-from autosac.tools.calibration_models import _Block, _calibration_models, _large_models, _tiny
+from autosac.tools.calibration_models import _Block, _calibration_models, _gap_roots, _large_models, _tiny, replay_skips
 from autosac.tools.calibration_size import SizeFigure, checkpoint_us_per_mib
 
 _CALIBRATED: HostCosts | None = None
@@ -367,18 +367,6 @@ def _call_gap_us(setup: dict, x: torch.Tensor, rounds: int = 40) -> float:
     return round(max(0.0, statistics.median(extra) / roots), 3) if roots > 0 else 0.0
 
 
-def _gap_roots(setup: dict, regions: list[str]) -> float:
-    """:func:`autosac.core.host.gap_roots` of a calibration model's ``regions`` checkpointed."""
-    from autosac.core.host import gap_roots
-    from autosac.solver.problem import build_problem
-
-    stats = setup["stats"]
-    if "machinery_points" not in setup:  # each candidate's forward start and replay, read once per model
-        setup["machinery_points"] = {c.fqn: (c.window[0], c.end) for c in build_problem(stats).candidates}
-    points = [p for fqn in regions for p in setup["machinery_points"][fqn]]
-    return gap_roots(points, len(stats.timeline.ops))
-
-
 def _state_item_us(setup: dict, x: torch.Tensor, repeats: int = 200, rounds: int = 5) -> float:
     """``state_item_us``: what a checkpointed call's Python state costs per
     item (:meth:`autosac.core.pystate.State.items`), timed on the region of a
@@ -568,16 +556,13 @@ def _figures(setup: dict, times: dict[str, float], forwards: dict[str, float]) -
     stats, blocks = setup["stats"], setup["blocks"]
     tl = stats.timeline
     w0, w1 = stats.modules["0"].fw_windows[0]
-    stop = stats.modules["0"].replay_end()
-    # the checkpointed call's replay stops at its last saved tensor (autosac.core.stats.ModuleStats.replay_stops),
-    # where the forward run twice runs every op: the kernels it skips, and the host time of the ops after the
-    # one it stops in (``skipped_ops``; :func:`_round_figures` prices them), are no part of the machinery
-    out = {"ops": w1 - w0, "saved": stats.modules["0"].saved_tensors[0], "skipped_ops": max(0, w1 - stop - 1),
-           "mechanism_us": (times["whole"] - times["twice"]) / blocks * 1e3 + sum(tl.ms[stop:w1]) * 1e3}
+    # the replay skips what the forward run twice runs (:func:`replay_skips`): no part of the machinery; the
+    # host time of the skipped op calls ``skipped_ops`` is priced by :func:`_round_figures`
+    skipped_ms, skipped_ops = replay_skips(stats, "0")
+    out = {"ops": w1 - w0, "saved": stats.modules["0"].saved_tensors[0], "skipped_ops": skipped_ops,
+           "mechanism_us": (times["whole"] - times["twice"]) / blocks * 1e3 + skipped_ms * 1e3}
     if "one" in times:  # the middle region's call alone among plain layers
-        one = stats.modules[setup["alone"]]
-        skipped = sum(tl.ms[one.replay_end() : one.fw_windows[0][1]])
-        out["alone_us"] = (times["one"] - times["twice_one"]) * 1e3 + skipped * 1e3
+        out["alone_us"] = (times["one"] - times["twice_one"]) * 1e3 + replay_skips(stats, setup["alone"])[0] * 1e3
     if "none" in times:
         # the blocks are narrow: their kernels' compute is a small part of the step,
         # which is nearly all host time (a slight overestimate of the host's part)

@@ -58,6 +58,29 @@ class _Layer(nn.Module):
         return x + self.out(torch.nn.functional.gelu(self.fc(self.ln_2(x))))
 
 
+def replay_skips(stats, fqn: str) -> tuple[float, int]:
+    """What a checkpoint's replay of ``fqn``'s first call skips that its
+    forward run twice runs: it stops in its last saved tensor's op
+    (:meth:`autosac.core.stats.ModuleStats.replay_end`), so the kernels from
+    that op on (ms, traced) and the op calls after it (counted: the host
+    time the calibration prices them at)."""
+    m = stats.modules[fqn]
+    stop, end = m.replay_end(), m.fw_windows[0][1]
+    return float(sum(stats.timeline.ms[stop:end])), max(0, end - stop - 1)
+
+
+def _gap_roots(setup: dict, regions: list[str]) -> float:
+    """:func:`autosac.core.host.gap_roots` of a calibration model's ``regions`` checkpointed."""
+    from autosac.core.host import gap_roots
+    from autosac.solver.problem import build_problem
+
+    stats = setup["stats"]
+    if "machinery_points" not in setup:  # each candidate's forward start and replay, read once per model
+        setup["machinery_points"] = {c.fqn: (c.window[0], c.end) for c in build_problem(stats).candidates}
+    points = [p for fqn in regions for p in setup["machinery_points"][fqn]]
+    return gap_roots(points, len(stats.timeline.ops))
+
+
 def _tiny(width: int) -> nn.Module:
     """A region of one small Linear and a GELU: a checkpointed call that is
     nearly all per-call cost (it saves three tensors)."""

@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from autosac.tools.calibration_models import _Block, _Layer
+from autosac.tools.calibration_models import _Block, _gap_roots, _Layer, replay_skips
 
 _REGIONS = 4  # large regions in the model, half checkpointed in each copy
 
@@ -147,10 +147,9 @@ def checkpoint_us_per_mib(figures: dict, rounds: int = 8) -> SizeFigure:
         >>> checkpoint_us_per_mib(calibrate().to_dict())
         SizeFigure(us_per_mib=102.1, share=0.99, steady=True)
     """
-    from autosac.core.host import HostCosts, gap_roots
+    from autosac.core.host import HostCosts
     from autosac.core.hostsize import LARGE_BATCH, LARGE_SEQ, LARGE_WIDTH, extra_us
     from autosac.core.noise import TOLERANCE, share_meter
-    from autosac.solver.problem import build_problem
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -158,11 +157,10 @@ def checkpoint_us_per_mib(figures: dict, rounds: int = 8) -> SizeFigure:
     stats, fqn = traced["stats"], traced["fqn"]
     m = stats.modules[fqn]
     w0, w1 = m.fw_windows[0]
-    stop = m.replay_end()
     tl = stats.timeline
-    # a replay stops in its last saved tensor's op, where the twice-run region runs every op: add back the
-    # kernels it skips and the host time of the op calls after that one
-    skipped_ms = float(sum(tl.ms[stop:w1])) + max(0, w1 - stop - 1) * figures["op_us"] / 1e3
+    # what the replay skips and the twice-run region runs: its kernels, and its op calls at the host's op_us
+    kernels_ms, ops = replay_skips(stats, fqn)
+    skipped_ms = kernels_ms + ops * figures["op_us"] / 1e3
     share = share_meter()
     per_round = _mechanism_ms(copies, x, rounds)
     share = share()
@@ -170,9 +168,8 @@ def checkpoint_us_per_mib(figures: dict, rounds: int = 8) -> SizeFigure:
     halves = abs(statistics.median(per_round[0::2]) - statistics.median(per_round[1::2])) * 1e3
     steady = len(per_round) < 2 or halves <= TOLERANCE * abs(measured_us)
     host = HostCosts(**{k: v for k, v in figures.items() if k in HostCosts.__dataclass_fields__})
-    points = {c.fqn: (c.window[0], c.end) for c in build_problem(stats).candidates}
     # the gaps the measured calls ran at: each copy's checkpointed regions, both copies alike
-    roots = statistics.mean(gap_roots([p for name in ckpt for p in points[f"{name}.region"]], len(tl.ops)) / len(ckpt)
+    roots = statistics.mean(_gap_roots(traced, [f"{name}.region" for name in ckpt]) / len(ckpt)
                             for _, ckpt, _, _ in copies.values())
     priced_us = host.checkpoint_ms(m.saved_tensors[0], w1 - w0, selective=False, roots=roots,
                                    state_items=m.state_items) * 1e3
