@@ -34,7 +34,7 @@ def test_sweep_measured_keeps_each_budget_and_plots(tmp_path):
     from autosac.tools.report import sweep_table
     from autosac.tools.sweep import measure_sweep, repeated_blocks, sweep
 
-    model, idx = build_model("seed-transformer", n_layer=3, dim=384, n_head=6, seq=96, device="cpu")
+    model, idx = build_model("seed-transformer", n_layer=3, dim=192, n_head=6, seq=96, device="cpu")
     stats = autosac.profile(model, idx, target="cpu", optimizer="sgd")
     assert repeated_blocks(stats) == ["blocks.0", "blocks.1", "blocks.2"]
     result = sweep(stats, ["95%", "90%", "1KiB"])
