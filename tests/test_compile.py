@@ -445,8 +445,10 @@ def test_a_compiled_plan_for_a_cuda_target_is_fitted_without_a_gpu():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plan = fit_for_compile(model, stats, "80%", idx, backend="inductor", optimizer="sgd")  # as solve does
-        checkpoints = fit_for_compile(model, stats, "80%", idx, backend="inductor", optimizer="sgd",
-                                      partitioner=False)
+        checkpoints = plan  # where the partitioner's plan lost, the checkpointing route's is solve's
+        if "partitioner_budget" in plan.compiled:
+            checkpoints = fit_for_compile(model, stats, "80%", idx, backend="inductor", optimizer="sgd",
+                                          partitioner=False)
     # the fitting's traces run the plan on fake parameters: no "the model runs on cpu" warning
     assert not [w for w in caught if "runs on" in str(w.message)], [str(w.message) for w in caught]
     assert checkpoints.decisions and "partitioner_budget" not in checkpoints.compiled
@@ -454,7 +456,7 @@ def test_a_compiled_plan_for_a_cuda_target_is_fitted_without_a_gpu():
     if "partitioner_budget" in plan.compiled:  # headroom for what an H100 read above the trace
         assert not plan.decisions
         assert plan.predicted_peak_bytes <= plan.budget_bytes * (1 - fit.CUDA_PARTITIONER_HEADROOM)
-    for p in (plan, checkpoints):
+    for p in {id(plan): plan, id(checkpoints): checkpoints}.values():
         assert p.predicted_peak_bytes <= p.budget_bytes
         autosac.apply(model, p)
         again = autosac.compile.compiled_peak(model, idx, optimizer="sgd", backend="inductor", target="h100",

@@ -157,7 +157,9 @@ def calibrate(force: bool = False) -> HostCosts:
     else each figure's median over the last five noisy calibrations (this
     one's included) is used, with one logged warning, and kept on disk for
     an hour only.  ``force=True``, ``AUTOSAC_REMEASURE=1``
-    or :func:`remeasure` measure them again.
+    or :func:`remeasure` measure them again.  Processes sharing a cache
+    directory measure one at a time (:func:`autosac.core.cache.machine_lock`):
+    a second waits and takes the first one's figures from disk.
 
     Example::
 
@@ -167,20 +169,33 @@ def calibrate(force: bool = False) -> HostCosts:
     global _CALIBRATED
     if _CALIBRATED is not None and not force:
         return _CALIBRATED
+    from autosac.core.cache import machine_lock
     from autosac.trace.timings import TimingCache
 
     cache = TimingCache()
-    cached = None if force or remeasure_requested() else _cached(cache)
-    if cached is not None:
-        _CALIBRATED = cached
-        return cached
+    again = force or remeasure_requested()
+    cached = None if again else _cached(cache)
+    if cached is None:
+        # one process of this machine measures at a time: a second one (another rank, another
+        # test worker) waits, then takes the first one's figures from disk
+        with machine_lock("host-costs") as held:
+            if held and not again:
+                cache.refresh(f"{CACHE_KEY}:")
+                cached = _cached(cache)
+            if cached is None:
+                cached = _measured(cache)
+    _CALIBRATED = cached
+    return cached
+
+
+def _measured(cache) -> HostCosts:
+    """The figures :func:`_measure` takes now, settled (:func:`_settled`) and written to ``cache``."""
     try:
         got = _measure()
     except Exception as e:  # noqa: BLE001 - a plan priced by its kernels alone beats no plan
         warnings.warn(f"autosac: could not measure this host's costs ({type(e).__name__}: {e}); plans are priced "
-                      "by their kernels alone -- state them with DeviceSpec(host=HostCosts(...))", stacklevel=3)
-        _CALIBRATED = HostCosts()
-        return _CALIBRATED
+                      "by their kernels alone -- state them with DeviceSpec(host=HostCosts(...))", stacklevel=4)
+        return HostCosts()
     if isinstance(got, HostCosts):  # a stand-in measurement (tests): clean
         got = Measured(got)
     costs, clean = _settled(cache, got)
@@ -190,7 +205,6 @@ def calibrate(force: bool = False) -> HostCosts:
             cache.put(f"{_CLEAN}{name}", value)
     cache.put(NOISY_KEY, time.time() + NOISY_LIFETIME_S if got.noisy and clean is None else 0.0)
     cache.save()
-    _CALIBRATED = costs
     return costs
 
 

@@ -164,6 +164,14 @@ class TimingCache:
         self.put(key, fresh, bool(noisy))
         return fresh
 
+    def refresh(self, prefix: str) -> None:
+        """Take the entries under keys starting with ``prefix`` as they are on
+        disk now: what another process wrote since this one loaded the file
+        (the host figures another process measured while this one waited)."""
+        if str(self.path) in TimingCache._forgotten:
+            return
+        self.table.update({k: v for k, v in _read(self.path)[0].items() if k.startswith(prefix)})
+
     def forget(self) -> None:
         """Drop every timing of this machine, in memory and (at :meth:`save`,
         done now) on disk: each is measured again where next needed."""
