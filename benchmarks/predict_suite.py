@@ -1,9 +1,11 @@
 """Predicted against measured step-time overhead, on this CPU, over many models
-in both regimes (issue 32):
+in both regimes, and two models between them (issue 32):
 
 * ``dispatch``: width 64, microsecond ops -- a step is mostly host time
   (Python, autograd, the checkpointing machinery);
-* ``compute``: width 256 and more -- a step is mostly kernels.
+* ``compute``: width 256 and more -- a step is mostly kernels;
+* ``between``: width 128 (4x128 tokens), for two models: the built-in GPT and
+  transformers Llama, where neither figure set was calibrated.
 
 For each model and regime: profile for ``target="cpu"`` (AdamW, the held-output
 loop), solve the least budget and a mid budget (halfway between the least
@@ -43,7 +45,7 @@ it with one torch thread): another process's time slices are not counted, so
 the comparison holds on a shared machine.  The wall-clock overhead is printed
 beside it.
 
-    python benchmarks/predict_suite.py                       # every model, both regimes (~20 min)
+    python benchmarks/predict_suite.py                       # every model, every regime (~10 min)
     python benchmarks/predict_suite.py --quick               # a few models, fewer rounds (~3 min)
     python benchmarks/predict_suite.py --models hf-llama,timm-vit --regimes dispatch
     python benchmarks/predict_suite.py --autocast bf16 ...   # under CPU autocast: plans with parameter casts
@@ -128,6 +130,8 @@ def _hf_loss(out):
 def _sizes(regime: str) -> dict:
     if regime == "dispatch":
         return dict(width=64, layers=4, batch=2, seq=64, image=32)
+    if regime == "between":
+        return dict(width=128, layers=4, batch=4, seq=128, image=64)
     return dict(width=256, layers=2, batch=4, seq=128, image=64)
 
 
@@ -221,12 +225,13 @@ def _zoo(name: str):
 
 # name -> (builder(sizes), regimes)
 BOTH, DISPATCH = ("dispatch", "compute"), ("dispatch",)
+REGIMES = ("dispatch", "between", "compute")
 MODELS = {
-    "autosac-gpt2": (_builtin("gpt2", dropout=0.0), BOTH),
+    "autosac-gpt2": (_builtin("gpt2", dropout=0.0), REGIMES),
     "autosac-llama": (_builtin("llama-tiny", n_kv_head=2, ffn_hidden=172), BOTH),
     "hf-gpt2": (_hf_lm("GPT2Config", "GPT2LMHeadModel", n_embd=lambda w: w, n_layer=4, n_head=4, vocab_size=256,
                        n_positions=256, use_cache=False), BOTH),
-    "hf-llama": (_llama_like("LlamaConfig", "LlamaForCausalLM"), BOTH),
+    "hf-llama": (_llama_like("LlamaConfig", "LlamaForCausalLM"), REGIMES),
     "hf-mistral": (_llama_like("MistralConfig", "MistralForCausalLM"), BOTH),
     "hf-qwen2": (_llama_like("Qwen2Config", "Qwen2ForCausalLM"), BOTH),
     "hf-qwen3": (_llama_like("Qwen3Config", "Qwen3ForCausalLM", head_dim=16), BOTH),
@@ -435,7 +440,8 @@ def keep_freed_memory() -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", help="comma-separated names (default: all): " + ", ".join(MODELS))
-    ap.add_argument("--regimes", default="dispatch,compute", help="dispatch, compute or both (default)")
+    ap.add_argument("--regimes", default=",".join(REGIMES),
+                    help="comma-separated: dispatch, between, compute (default: all three)")
     ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}, fewer rounds")
     ap.add_argument("--rounds", type=int, default=None,
                     help="interleaved rounds, one timed step of each variant in each (default: 24 dispatch-bound, "
@@ -452,8 +458,8 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown model(s) {', '.join(unknown)}: use {', '.join(MODELS)}")
     regimes = [r for r in a.regimes.split(",") if r]
-    if any(r not in BOTH for r in regimes):
-        ap.error("--regimes takes dispatch, compute or both")
+    if any(r not in REGIMES for r in regimes):
+        ap.error(f"--regimes takes {', '.join(REGIMES)}")
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     print(f"host figures: {calibrate()}", file=sys.stderr)
