@@ -92,7 +92,9 @@ def test_unknown_target_is_a_clear_error():
 
 def test_cpu_target_gives_the_same_plan_in_every_process(tmp_path):
     """``target="cpu"`` times ops for real; the timings are kept per machine,
-    so a second process (and a second profile) plans exactly the same."""
+    so later processes plan exactly the same: the second one confirms each
+    timing the first took (timing it again once, keeping it where they agree,
+    autosac.trace.timings), and from then on the numbers are fixed."""
     import subprocess
     import sys
 
@@ -116,11 +118,11 @@ def test_cpu_target_gives_the_same_plan_in_every_process(tmp_path):
     env = {**os.environ, "AUTOSAC_CACHE_DIR": str(tmp_path)}
     runs = [
         subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-        for _ in range(2)
+        for _ in range(3)
     ]
     assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:]
-    first, second = (r.stdout.strip().splitlines()[-1] for r in runs)
-    assert first == second
+    _, second, third = (r.stdout.strip().splitlines()[-1] for r in runs)
+    assert second == third
     assert list(tmp_path.glob("cpu-timings-*.json"))
 
 
