@@ -147,6 +147,8 @@ def test_the_calibration_marks_its_figures_noisy_when_its_thread_shares_a_core(f
         shares.append(share)
         return samples, 0.5
     monkeypatch.setattr(host, "_take_round", half_a_core)
+    monkeypatch.setattr(host, "_cold_read_us_per_mib", lambda small, large: 40.0)  # not what this checks
+    monkeypatch.setattr(host, "checkpoint_us_per_mib", lambda figures: SizeFigure(50.0, 1.0))  # its own test below
     got = host._measure(rounds=2, max_rounds=4)
     assert got.rounds == 4 and len(shares) == 5  # a warm-up, two rounds, doubled once
     assert "the measuring thread had 50% of a core" in got.noisy, got.noisy

@@ -58,89 +58,95 @@ def _padded_numel(shape, world) -> int:
     return rows * (torch.Size(shape[1:]).numel() if len(shape) > 1 else 1)
 
 
-def _step_worker(rank, world, port, install, out_dir):
+def _step_worker(rank, world, port, installs, out_dir):
+    """One rank: :func:`_install_and_step` for each of ``installs`` in turn, one process group for all."""
+    torch.set_num_threads(1)
+    with gloo_group(rank, world, port):
+        for install in installs:
+            _install_and_step(rank, world, install, out_dir)
+
+
+def _install_and_step(rank, world, install, out_dir):
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    torch.set_num_threads(1)
-    with gloo_group(rank, world, port):
+    model, idx = gpt(CFG)
+    stats = _stats(model, idx)
+    chosen = zero3.install_downcast_gather(model, stats) if install == "before" else []
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    if install == "after":
+        chosen = zero3.install_downcast_gather(model, stats)
+    # what each unit's all-gather must hand the collective: every parameter's
+    # padded shard, in bf16 where downcast (computed here from shapes alone)
+    expect = {}  # unit -> bytes: a block's parameters, or the root's (the rest)
+    for name, p in gpt(CFG, device="meta")[0].named_parameters():
+        unit = ".".join(name.split(".")[:2]) if name.startswith("blocks.") else ""
+        expect[unit] = expect.get(unit, 0) + _padded_numel(p.shape, world) * (2 if name in chosen else 4)
+    handed, real = [], getattr(dist, GATHER)
+
+    def counting(output, input, *a, **k):
+        handed.append(input.numel() * input.element_size())
+        return real(output, input, *a, **k)
+
+    setattr(dist, GATHER, counting)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=BF16):
+            loss = model(idx).float().sum()
+        loss.backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    setattr(dist, GATHER, real)
+    assert sorted(set(handed)) == sorted(set(expect.values())), (handed, expect)
+    params = {n: p.full_tensor() for n, p in model.named_parameters()}
+    if rank == 0:
+        torch.save({"loss": losses, "grads": grads, "params": params, "handed": handed},
+                   Path(out_dir) / f"install-{install}.pt")
+    if install == "before":  # FSDP2's own mixed precision as well: refused before any gather
         model, idx = gpt(CFG)
-        stats = _stats(model, idx)
-        chosen = zero3.install_downcast_gather(model, stats) if install == "before" else []
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-        if install == "after":
-            chosen = zero3.install_downcast_gather(model, stats)
-        # what each unit's all-gather must hand the collective: every parameter's
-        # padded shard, in bf16 where downcast (computed here from shapes alone)
-        expect = {}  # unit -> bytes: a block's parameters, or the root's (the rest)
-        for name, p in gpt(CFG, device="meta")[0].named_parameters():
-            unit = ".".join(name.split(".")[:2]) if name.startswith("blocks.") else ""
-            expect[unit] = expect.get(unit, 0) + _padded_numel(p.shape, world) * (2 if name in chosen else 4)
-        handed, real = [], getattr(dist, GATHER)
-
-        def counting(output, input, *a, **k):
-            handed.append(input.numel() * input.element_size())
-            return real(output, input, *a, **k)
-
-        setattr(dist, GATHER, counting)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses = []
-        for _ in range(2):
-            with torch.autocast("cpu", dtype=BF16):
-                loss = model(idx).float().sum()
-            loss.backward()
-            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
-        setattr(dist, GATHER, real)
-        assert sorted(set(handed)) == sorted(set(expect.values())), (handed, expect)
-        params = {n: p.full_tensor() for n, p in model.named_parameters()}
-        if rank == 0:
-            torch.save({"loss": losses, "grads": grads, "params": params, "handed": handed},
-                       Path(out_dir) / f"install-{install}.pt")
-        if install == "before":  # FSDP2's own mixed precision as well: refused before any gather
-            model, idx = gpt(CFG)
-            zero3.install_downcast_gather(model, _stats(model, idx))
-            fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=BF16))
-            with pytest.raises(ValueError, match="use one of them"):
-                model(idx)
-        if install == "after":  # refused on a model whose FSDP2 has gathered already, or with param_dtype
-            model, idx = gpt(CFG)
-            fully_shard(model)
+        zero3.install_downcast_gather(model, _stats(model, idx))
+        fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=BF16))
+        with pytest.raises(ValueError, match="use one of them"):
             model(idx)
-            with pytest.raises(ValueError, match="before its first step"):
-                zero3.install_downcast_gather(model, stats)
-            model, idx = gpt(CFG)
-            fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=BF16))
-            with pytest.raises(ValueError, match="shard without param_dtype"):
-                zero3.install_downcast_gather(model, stats)
+    if install == "after":  # refused on a model whose FSDP2 has gathered already, or with param_dtype
+        model, idx = gpt(CFG)
+        fully_shard(model)
+        model(idx)
+        with pytest.raises(ValueError, match="before its first step"):
+            zero3.install_downcast_gather(model, stats)
+        model, idx = gpt(CFG)
+        fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=BF16))
+        with pytest.raises(ValueError, match="shard without param_dtype"):
+            zero3.install_downcast_gather(model, stats)
 
 
-@pytest.mark.parametrize("world", [3])
-@pytest.mark.parametrize("when", ["before", "after"])
-def test_fsdp2_step_is_bitwise_the_same_and_gathers_half_the_bytes(tmp_path, world, when):
+def test_fsdp2_step_is_bitwise_the_same_and_gathers_half_the_bytes(tmp_path):
     """Three ranks shard 64-row weights unevenly (FSDP2 pads): two AdamW steps
     under autocast with and without the install (before or after
     ``fully_shard``) give the same losses, gradients and updated parameters
-    bit for bit."""
+    bit for bit.  The three runs share one spawn of the ranks."""
     from autosac.zero3 import native
 
+    world = 3
     native.available()  # build once here, not in every rank
-    run_ranks(_step_worker, world, None, str(tmp_path))
-    run_ranks(_step_worker, world, when, str(tmp_path))
-    base, got = torch.load(tmp_path / "install-None.pt"), torch.load(tmp_path / f"install-{when}.pt")
-    assert all(torch.equal(a, b) for a, b in zip(base["loss"], got["loss"]))
-    for name in base["grads"]:
-        assert torch.equal(base["grads"][name], got["grads"][name]), name
-        assert torch.equal(base["params"][name], got["params"][name]), name
-    saved = sum(base["handed"]) - sum(got["handed"])
+    run_ranks(_step_worker, world, [None, "before", "after"], str(tmp_path))
+    base = torch.load(tmp_path / "install-None.pt")
     model, idx = gpt(CFG, device="meta")
     chosen = zero3.downcast_params(_stats(model, idx))
     per_step = sum(_padded_numel(model.get_parameter(f).shape, world) * 2 for f in chosen)
-    assert saved == 2 * 2 * per_step  # each block gathered in forward and backward, two steps
+    for when in ("before", "after"):
+        got = torch.load(tmp_path / f"install-{when}.pt")
+        assert all(torch.equal(a, b) for a, b in zip(base["loss"], got["loss"])), when
+        for name in base["grads"]:
+            assert torch.equal(base["grads"][name], got["grads"][name]), (when, name)
+            assert torch.equal(base["params"][name], got["params"][name]), (when, name)
+        saved = sum(base["handed"]) - sum(got["handed"])
+        assert saved == 2 * 2 * per_step, when  # each block gathered in forward and backward, two steps
 
 
 # small: bfloat16 matmuls on a CPU without bf16 instructions run ~40x slower than float32
