@@ -91,6 +91,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from autosac.core.cache import machine_lock
 from autosac.core.host import (  # noqa: F401 - the data, kept importable here as before
     _FIELDS,
     _PER_OP,
@@ -169,7 +170,6 @@ def calibrate(force: bool = False) -> HostCosts:
     global _CALIBRATED
     if _CALIBRATED is not None and not force:
         return _CALIBRATED
-    from autosac.core.cache import machine_lock
     from autosac.trace.timings import TimingCache
 
     cache = TimingCache()

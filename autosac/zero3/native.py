@@ -28,16 +28,14 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import stat
 import tempfile
-import time
 import warnings
 from pathlib import Path
 
 import torch
 
-from autosac.core.cache import cache_root
+from autosac.core.cache import LockTimeout, cache_root, file_lock
 
 SOURCES = Path(__file__).resolve().parents[2] / "native"  # the repository's native/, beside autosac/
 _CPU = ("pack_downcast.cpp",)
@@ -181,34 +179,17 @@ def _lock_timeout() -> float:
 
 @contextlib.contextmanager
 def _build_lock(path: Path):
-    """Hold ``path`` locked (``flock``: released by the system when its holder
-    ends, even killed); wait for a live holder at most AUTOSAC_NATIVE_LOCK_TIMEOUT s."""
+    """Hold ``path`` locked (:func:`autosac.core.cache.file_lock`; on Windows
+    cpp_extension's own lock file is all there is); wait for a live holder at
+    most AUTOSAC_NATIVE_LOCK_TIMEOUT s."""
     try:
-        import fcntl
-    except ImportError:  # Windows: cpp_extension's own lock file is all there is
-        yield
-        return
-    timeout = _lock_timeout()
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    try:
-        start = time.monotonic()
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() - start >= timeout:
-                    holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-                    raise NativeBuildError(
-                        f"waited {timeout:g} s for {holder} to finish building the native op (lock {path}); "
-                        "end that process, delete the lock if it is not running, or raise AUTOSAC_NATIVE_LOCK_TIMEOUT"
-                    ) from None
-                time.sleep(0.2)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
+        with file_lock(path, _lock_timeout()):
+            yield
+    except LockTimeout as e:
+        raise NativeBuildError(
+            f"waited {_lock_timeout():g} s for {e.holder} to finish building the native op (lock {path}); "
+            "end that process, delete the lock if it is not running, or raise AUTOSAC_NATIVE_LOCK_TIMEOUT"
+        ) from None
 
 
 def _compile(name: str, files: list[Path], where: Path, verbose: bool) -> Path:
