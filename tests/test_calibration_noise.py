@@ -142,8 +142,9 @@ def test_the_calibration_marks_its_figures_noisy_when_its_thread_shares_a_core(f
     real = host._take_round
     shares = []
 
-    def half_a_core(variants, x, repeats=1):
-        samples, share = real(variants, x, repeats=1)
+    def half_a_core(variants, x, repeats=1, **kw):
+        samples, share = real(variants, x, repeats=1, **kw)
+        assert samples[("large", "kernels")][0][0] > 0  # the large model's kernels timed in every round
         shares.append(share)
         return samples, 0.5
     monkeypatch.setattr(host, "_take_round", half_a_core)
@@ -165,8 +166,8 @@ def test_the_call_gap_figure_is_measured_in_the_rounds_and_checked_for_noise(fre
     real = host._take_round
     taken = []
 
-    def lone_call_slow_every_other_round(variants, x, repeats=1):
-        samples, _ = real(variants, x, repeats=1)
+    def lone_call_slow_every_other_round(variants, x, repeats=1, **kw):
+        samples, _ = real(variants, x, repeats=1, **kw)
         taken.append(1)
         if len(taken) % 2 == 0:  # the first round after the warm-up, the third, ...
             samples[("tiny", "one")] = [(fw, total + 50.0) for fw, total in samples[("tiny", "one")]]
@@ -567,3 +568,24 @@ def test_a_lone_call_measured_beyond_its_calls_sum_is_capped(fresh):
     own = 400.0 + 20.0 * tiny["stats"].modules["0"].saved_tensors[0] - 0.2 * tiny["stats"].modules["0"].state_items
     assert gap_part == pytest.approx(0.9 * own, rel=1e-3)
     assert host._without_gaps({**figures, "call_gap_us": 1.0}, models)["call_gap_us"] == 1.0
+
+
+def test_the_large_models_kernels_are_timed_in_each_round_beside_its_steps():
+    """The large calibration's host time per op is its forward measured less
+    its ops' kernels timed alone: those are the trace's forward ops, one for
+    one, timed again in the round (not once before the rounds, a moment of
+    another speed on a drifting VM), and the round's figure is made of them."""
+    from autosac.tools.calibration_models import _large_models
+
+    setup, x = _large_models()
+    tl = setup["stats"].timeline
+    traced = [op for op, phase, view in zip(tl.ops, tl.phases, tl.views) if phase != "backward" and not view]
+    assert [func.overloadpacket.__name__ for func, _, _ in setup["kernels"].calls] == traced
+    samples, _ = host._take_round({("large", "none"): setup["variants"]["none"]}, x, kernels=setup["kernels"])
+    (fw_ms, _), = samples[("large", "none")]
+    (kernels_ms, _), = samples[("large", "kernels")]
+    assert kernels_ms > 0
+    forwards = {"none": fw_ms + 1.0, "kernels": fw_ms}  # the forward 1 ms longer than its kernels this round
+    fig = host._figures(setup, {"none": fw_ms + 2.0, "whole": 0.0, "twice": 0.0}, forwards)
+    ops = sum(1 for phase in tl.phases if phase != "backward")
+    assert fig["untimed_op_us"] == pytest.approx(1e3 / ops)

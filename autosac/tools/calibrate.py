@@ -290,16 +290,21 @@ def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, r
     The models' op timings are taken again first (:func:`autosac.trace.timings.retimed`):
     the figures are measured steps less those timings, which must be of the
     same minute (cached ones from an hour before, on this VM, gave
-    ``untimed_us_per_mib`` 110-481 where timings taken anew gave 0-179)."""
+    ``untimed_us_per_mib`` 110-481 where timings taken anew gave 0-179), and
+    the large model's, whose step is mostly kernels, are timed again in each
+    round (:class:`~autosac.tools.calibration_models.ForwardKernels`): over
+    seven calibrations each, ``untimed_us_per_mib`` read 158-305 (six of
+    them 158-250) against 0-254 with the timings taken before the rounds."""
     from autosac.trace.timings import retimed
 
     with retimed():
         models, variants, inputs = _benchmark(regions, width, batch, seq)
-    _take_round(variants, inputs)  # warm-up
+    kernels = models["large"].get("kernels")
+    _take_round(variants, inputs, kernels=kernels)  # warm-up
     others = others_meter()
     scale = functools.partial(_scale, gap_roots=models["tiny"]["gap_roots"])
-    got = steady(lambda: _take_round(variants, inputs), lambda taken: _estimate(models, taken), scale, rounds=rounds,
-                 max_rounds=max_rounds, deadline_s=deadline_s)
+    got = steady(lambda: _take_round(variants, inputs, kernels=kernels), lambda taken: _estimate(models, taken), scale,
+                 rounds=rounds, max_rounds=max_rounds, deadline_s=deadline_s)
     reasons = []
     if got.disagreeing:
         reasons.append(f"{', '.join(got.disagreeing)} varied by more than {TOLERANCE:.0%} between rounds")
@@ -583,8 +588,9 @@ def _figures(setup: dict, times: dict[str, float], forwards: dict[str, float]) -
         forward = [ms for ms, phase in zip(tl.ms, tl.phases) if phase != "backward"]
         backward = [ms for ms, phase in zip(tl.ms, tl.phases) if phase == "backward"]
         fw_ms, bw_ms = forwards["none"], times["none"] - forwards["none"]
+        kernels_ms = forwards.get("kernels", sum(forward))  # the forward's ops timed alone in this round, or traced
         out["op_us"] = fw_ms * 1e3 / len(forward)
-        out["untimed_op_us"] = untimed_us = max(0.0, (fw_ms - sum(forward)) * 1e3 / len(forward))
+        out["untimed_op_us"] = untimed_us = max(0.0, (fw_ms - kernels_ms) * 1e3 / len(forward))
         out["backward_op_us"] = bw_ms * 1e3 / len(backward)
         # negative where timing an op from Python counts more than the engine pays; bounded,
         # so that kernel timings taken in a slow moment cannot make backward ops free
@@ -602,13 +608,15 @@ def _figures(setup: dict, times: dict[str, float], forwards: dict[str, float]) -
     return out
 
 
-def _take_round(variants: dict, x: torch.Tensor, repeats: int = 1) -> dict:
+def _take_round(variants: dict, x: torch.Tensor, repeats: int = 1, kernels=None) -> dict:
     """One round: ``repeats`` passes over the variants, one (forward ms,
     forward-and-backward ms) sample of each per pass (on ``x``, or
     ``x[name]`` where it is a dict) -- variants a figure compares run moments
-    apart -- in CPU time of this thread (the calibration's ops are too small
-    to run on other threads, and another process's time slices are not
-    counted), and the share of a core the thread had meanwhile."""
+    apart -- and, with ``kernels`` (:class:`~autosac.tools.calibration_models.ForwardKernels`),
+    the large model's forward ops timed alone (``("large", "kernels")``), in
+    CPU time of this thread (the calibration's ops are too small to run on
+    other threads, and another process's time slices are not counted), and
+    the share of a core the thread had meanwhile."""
     tick = time.thread_time
     share = share_meter()
 
@@ -628,6 +636,9 @@ def _take_round(variants: dict, x: torch.Tensor, repeats: int = 1) -> dict:
             for name, m in variants.items():
                 for _ in range(_SAMPLES.get(name, 1)):
                     samples[name].append(step(m, x[name] if isinstance(x, dict) else x))
+            if kernels is not None:
+                ms = kernels.ms()
+                samples.setdefault(("large", "kernels"), []).append((ms, ms))
     finally:
         if collecting:
             gc.enable()

@@ -93,7 +93,53 @@ def _large_models() -> tuple[dict, torch.Tensor]:
     from autosac.core.hostsize import LARGE_BATCH, LARGE_REGIONS, LARGE_SEQ, LARGE_WIDTH
 
     x = torch.randn(LARGE_BATCH, LARGE_SEQ, LARGE_WIDTH)
-    return _calibration_models(lambda: _Block(LARGE_WIDTH, 1), LARGE_REGIONS, x, selective=True), x
+    setup = _calibration_models(lambda: _Block(LARGE_WIDTH, 1), LARGE_REGIONS, x, selective=True)
+    setup["kernels"] = ForwardKernels(setup["variants"]["none"], x)
+    return setup, x
+
+
+class ForwardKernels:
+    """A model's forward op calls, each to be timed alone as the trace times
+    an op (:func:`autosac.trace.costs.real_inputs`: tensors of its shapes,
+    filled as ops are timed on; the least of a few calls) -- in every round
+    of the calibration, beside the steps whose time less these timings is
+    the host's (:mod:`autosac.core.hostsize`).  Timings taken once, before
+    the rounds, were of another moment of a VM whose speed drifts by tens of
+    percent over seconds; at width 256 a step is mostly kernels, and the
+    host's part, a difference of the two, read 0 to 180 us per MiB between
+    calibrations."""
+
+    def __init__(self, model: nn.Module, x: torch.Tensor) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from autosac.core.opkinds import is_view_op
+        from autosac.trace.costs import real_inputs
+
+        calls = self.calls = []
+
+        class _Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if not is_view_op(func):
+                    calls.append((func, *real_inputs(args, kwargs)))
+                return func(*args, **kwargs)
+
+        with _Record():  # as the trace runs it: grad mode on
+            model(x).sum()
+
+    def ms(self, timed: int = 3) -> float:
+        """The sum over the op calls of each one's least time over ``timed``
+        calls after a warm-up (this thread's CPU time, ms)."""
+        total = 0.0
+        for func, args, kwargs in self.calls:
+            func(*args, **kwargs)
+            best = float("inf")
+            for _ in range(timed):
+                t0 = time.thread_time()
+                func(*args, **kwargs)
+                best = min(best, time.thread_time() - t0)
+            total += best
+        return total * 1e3
 
 
 def _calibration_models(region, blocks: int, x: torch.Tensor, selective: bool = False, casts: bool = False,
