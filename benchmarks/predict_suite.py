@@ -52,7 +52,7 @@ it with one torch thread): another process's time slices are not counted, so
 the comparison holds on a shared machine.  The wall-clock overhead is printed
 beside it.
 
-    python benchmarks/predict_suite.py                       # every model, every regime (~10 min)
+    python benchmarks/predict_suite.py                       # every model, every regime (~14 min)
     python benchmarks/predict_suite.py --quick               # a few models, fewer rounds (~3 min)
     python benchmarks/predict_suite.py --models hf-llama,timm-vit --regimes dispatch
     python benchmarks/predict_suite.py --autocast bf16 ...   # under CPU autocast: plans with parameter casts

@@ -130,17 +130,10 @@ class ForwardKernels:
 
     def ms(self, timed: int = 3) -> float:
         """The sum over the op calls of each one's least time over ``timed``
-        calls after a warm-up (this thread's CPU time, ms)."""
-        total = 0.0
-        for func, args, kwargs in self.calls:
-            func(*args, **kwargs)
-            best = float("inf")
-            for _ in range(timed):
-                t0 = time.thread_time()
-                func(*args, **kwargs)
-                best = min(best, time.thread_time() - t0)
-            total += best
-        return total * 1e3
+        calls after a warm-up (:func:`autosac.core.noise.best_ms`, as the trace times an op), in ms."""
+        from autosac.core.noise import best_ms
+
+        return sum(best_ms(lambda c=c: c[0](*c[1], **c[2]), repeats=timed, max_repeats=timed)[0] for c in self.calls)
 
 
 def _calibration_models(region, blocks: int, x: torch.Tensor, selective: bool = False, casts: bool = False,
