@@ -76,10 +76,12 @@ def test_swinv2_position_bias_mlp_profiles_without_hanging():
 def _stderr_after_ctrl_c(code: str, what: str, wait_s: float) -> str:
     """Run ``code`` in a child process that prints "started" when it begins
     its work, send it SIGINT ``wait_s`` seconds later, and return its stderr;
-    a child still running 30 s after the signal fails the test (and is killed)."""
+    a child still running 30 s after the signal fails the test (and is killed)
+    with the stacks of its threads where it was (faulthandler, on SIGUSR1)."""
     # Ctrl-C as in a terminal: a child inherits an ignored SIGINT (some library in the test process may
     # have set it so: in one CI run both Ctrl-C tests waited out their 30 s), and Python then keeps it ignored
-    code = "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n" + code
+    code = ("import faulthandler, signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            "faulthandler.register(signal.SIGUSR1, all_threads=True)\n" + code)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "started"
@@ -87,7 +89,11 @@ def _stderr_after_ctrl_c(code: str, what: str, wait_s: float) -> str:
         proc.send_signal(signal.SIGINT)
         return proc.communicate(timeout=30)[1]
     except subprocess.TimeoutExpired:
-        pytest.fail(f"{what} did not stop within 30 s of Ctrl-C")
+        proc.send_signal(signal.SIGUSR1)  # where it is stuck, on its stderr
+        time.sleep(1.0)
+        os.kill(proc.pid, signal.SIGKILL)
+        err = proc.communicate()[1]
+        pytest.fail(f"{what} did not stop within 30 s of Ctrl-C; its stacks then:\n{err[-4000:]}")
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)

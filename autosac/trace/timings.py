@@ -25,8 +25,10 @@ and keeps the cached timing where the two agree within
 where they do not (confirmed in turn by the next process).  A VM's slow
 moment inflates every sample of a timing alike, so a timing can settle high
 and read clean (a 1 MiB ``bmm`` cached at 0.72 ms on this 2-core VM, 0.19-0.27
-timed again, 0.31 in the step): the same numbers come back from the second
-profile of a model on (the first plan made on such a timing is not).
+timed again, 0.31 in the step).  From the second profile of a model on, the
+numbers change only where a timing comes out more than :data:`CONFIRM_RATIO`
+below the cached one; each such change lowers it, so they settle (on this
+noisy VM, within two or three processes).
 ``AUTOSAC_REMEASURE=1``
 makes a process time every op it meets again; :meth:`TimingCache.forget`
 (``autosac.tools.calibrate.remeasure()``) drops them all; inside
