@@ -106,6 +106,7 @@ class Row:
     bitwise: bool | None = None
     plan: str = ""
     note: str = ""
+    per_round: dict | None = None  # each round's CPU ms of this plan, the reference and the control (--json)
 
     @property
     def error(self) -> float | None:
@@ -396,6 +397,7 @@ def run_model(name: str, regime: str, rounds: int, steps: int, autocast=None) ->
     for row in rows:
         row.measured = paired(per_round, row.budget, ref)
         row.control = paired(per_round, "control", ref)
+        row.per_round = {"plan": per_round[row.budget], "ref": per_round[ref], "control": per_round["control"]}
         row.wall = wall[row.budget] / wall[ref] - 1
         row.note = (f"step {cpu[ref]:.1f} ms (predicted {stats.step_ms:.1f}); page faults a step "
                     f"{faults[ref]:.0f}, planned {faults[row.budget]:.0f}")
@@ -481,6 +483,7 @@ def main(argv=None) -> int:
                     help="interleaved rounds, one timed step of each variant in each (default: 24 dispatch-bound, "
                          "16 compute-bound; --quick half)")
     ap.add_argument("--out", help="also write the table to this file")
+    ap.add_argument("--json", help="also write every row, with each round's CPU ms, to this file")
     ap.add_argument("--autocast", choices=("bf16",), help="plan and run under CPU autocast (bfloat16)")
     ap.add_argument("--glibc-returns", action="store_true",
                     help="keep glibc's defaults: freed heap goes back to the system and is page-faulted in again")
@@ -529,6 +532,8 @@ def main(argv=None) -> int:
     print(text)
     if a.out:
         Path(a.out).write_text(text + "\n")
+    if a.json:
+        Path(a.json).write_text(json.dumps([dataclasses.asdict(r) for r in rows]) + "\n")
     return 0
 
 
