@@ -82,11 +82,12 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
+from paired_rounds import LEVEL, median_interval, paired, ratios, tolerance, verdict, within  # noqa: E402
+
 import autosac  # noqa: E402
 from autosac.core.optim import make_optimizer  # noqa: E402
 from autosac.tools.calibrate import calibrate  # noqa: E402
 
-TARGET_REL, TARGET_POINTS = 0.20, 0.03
 # glibc keeps what is freed (no trimming of the heap's top, no mmap for large blocks): no page faults a step
 GLIBC_KEEPS = {"MALLOC_TRIM_THRESHOLD_": str(4 << 30), "MALLOC_MMAP_THRESHOLD_": str(1 << 30)}
 QUICK = ("autosac-gpt2", "hf-llama", "hf-gpt2", "timm-vit")
@@ -102,6 +103,8 @@ class Row:
     wall: float | None = None
     as_given: float | None = None  # against the unmodified model with its cache on (None: it builds none)
     control: float | None = None  # a second copy of the unmodified model, measured as the plans are: the noise
+    measured_lo: float | None = None  # the measured overhead's interval (paired_rounds.LEVEL): how sure it is
+    measured_hi: float | None = None
     kept: bool | None = None
     bitwise: bool | None = None
     plan: str = ""
@@ -116,7 +119,15 @@ class Row:
     def within(self) -> bool | None:
         if self.error is None:
             return None
-        return abs(self.error) <= max(TARGET_REL * abs(self.measured), TARGET_POINTS)
+        return within(self.predicted, self.measured)
+
+    @property
+    def verdict(self) -> str | None:
+        """"in" / "out": within target of every / no overhead in the measured
+        interval; "noise": of some -- the measurement cannot tell."""
+        if self.error is None or self.measured_lo is None:
+            return None
+        return verdict(self.predicted, self.measured_lo, self.measured_hi)
 
 
 # ------------------------------------------------------------------ models
@@ -284,17 +295,7 @@ class Timed(NamedTuple):
     wall: dict
     faults: dict
     rounds: dict
-
-
-def paired(rounds: dict, k: str, ref: str, ratio: bool = True) -> float:
-    """How ``k``'s step compares with ``ref``'s, round by round: the median
-    over the rounds of their ratio less one (``ratio``), or of their
-    difference in ms.  This VM's speed drifts by 20-40 % over tens of
-    seconds, alike for variants run moments apart: medians taken over all
-    the rounds apart mixed moments (an empty plan measured 11 % faster than
-    its model once), the ratios within one round do not."""
-    pairs = zip(rounds[k], rounds[ref])
-    return statistics.median(a / b - 1 if ratio else a - b for a, b in pairs)
+    warm: dict  # each round's untimed first step per variant, CPU ms (after another variant ran: --json only)
 
 
 def _timed(variants: dict, inputs, loss_fn, rounds: int, steps: int, autocast=None) -> Timed:
@@ -319,12 +320,15 @@ def _timed(variants: dict, inputs, loss_fn, rounds: int, steps: int, autocast=No
     wall: dict = {k: [] for k in variants}
     faults: dict = {k: [] for k in variants}
     per_round: dict = {k: [] for k in variants}
+    warm: dict = {k: [] for k in variants}
     for k, m in variants.items():
         step(k, m)  # optimizer state
     order = list(variants.items())
     for r in range(rounds):
         for k, m in order[r % len(order):] + order[:r % len(order)]:  # each variant first in turn
+            c = time.thread_time()
             step(k, m)  # warm after the other variants ran
+            warm[k].append((time.thread_time() - c) * 1e3)
             for _ in range(steps):
                 f, c, w = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt, time.thread_time(), time.perf_counter()
                 step(k, m)
@@ -332,7 +336,7 @@ def _timed(variants: dict, inputs, loss_fn, rounds: int, steps: int, autocast=No
                 wall[k].append((time.perf_counter() - w) * 1e3)
                 faults[k].append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f)
             per_round[k].append(statistics.median(cpu[k][-steps:]))
-    return Timed(*({k: statistics.median(v) for k, v in d.items()} for d in (cpu, wall, faults)), per_round)
+    return Timed(*({k: statistics.median(v) for k, v in d.items()} for d in (cpu, wall, faults)), per_round, warm)
 
 
 def without_cache(model, inputs):
@@ -392,12 +396,14 @@ def run_model(name: str, regime: str, rounds: int, steps: int, autocast=None) ->
         rows.append(Row(name, regime, label, predicted=plan.step_ms / plan.baseline_step_ms - 1,
                         kept=peak <= plan.budget_bytes, bitwise=bitwise, plan=_describe(plan)))
         variants[label] = planned
-    cpu, wall, faults, per_round = _timed(variants, inputs, loss_fn, rounds, steps, autocast)
+    cpu, wall, faults, per_round, warm = _timed(variants, inputs, loss_fn, rounds, steps, autocast)
     ref = "base" if base is not None else "none"
     for row in rows:
         row.measured = paired(per_round, row.budget, ref)
+        row.measured_lo, row.measured_hi = median_interval(ratios(per_round, row.budget, ref))
         row.control = paired(per_round, "control", ref)
-        row.per_round = {"plan": per_round[row.budget], "ref": per_round[ref], "control": per_round["control"]}
+        row.per_round = {"plan": per_round[row.budget], "ref": per_round[ref], "control": per_round["control"],
+                         **{f"{k}_warm": warm[v] for k, v in (("plan", row.budget), ("ref", ref), ("control", "control"))}}
         row.wall = wall[row.budget] / wall[ref] - 1
         row.note = (f"step {cpu[ref]:.1f} ms (predicted {stats.step_ms:.1f}); page faults a step "
                     f"{faults[ref]:.0f}, planned {faults[row.budget]:.0f}")
@@ -412,20 +418,42 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:+.1%}"
 
 
+def _interval(r: Row) -> str:
+    """The measured overhead's interval and what it says of the prediction."""
+    if r.verdict is None:
+        return "-"
+    says = {"in": "within", "out": "OUTSIDE", "noise": "cannot tell"}[r.verdict]
+    return f"{100 * r.measured_lo:+.1f} to {100 * r.measured_hi:+.1f}: {says}"
+
+
+def _verdicts(rows: list[Row]) -> str:
+    """How many predictions the measurement shows within target, outside it, or cannot tell."""
+    got = [r for r in rows if r.verdict]
+    count = {v: sum(r.verdict == v for r in got) for v in ("in", "out", "noise")}
+    widths = sorted(100 * (r.measured_hi - r.measured_lo) for r in got)
+    out = "; ".join(f"{r.model} {r.regime} {r.budget}" for r in got if r.verdict == "out") or "none"
+    return (f"Against each measured overhead's {LEVEL:.0%} interval (the rounds' ratios, order statistics of "
+            f"their median; {widths[len(widths) // 2]:.1f} points wide at the median, {widths[-1]:.1f} at most): "
+            f"{count['in']} of {len(got)} predictions within target of every overhead in it, {count['out']} of "
+            f"none ({out}), {count['noise']} of some -- there the measurement cannot tell.")
+
+
 def table(rows: list[Row]) -> str:
-    lines = ["| model | regime | budget | predicted | measured | error (points) | within target | control | wall "
-             "| as given | kept | bitwise | plan; unmodified step |",
-             "|---|---|---|---:|---:|---:|---|---:|---:|---:|---|---|---|"]
+    lines = ["| model | regime | budget | predicted | measured | error (points) | within target "
+             f"| measured, {LEVEL:.0%} interval: the target | control | wall | as given | kept | bitwise "
+             "| plan; unmodified step |",
+             "|---|---|---|---:|---:|---:|---|---|---:|---:|---:|---|---|---|"]
     for r in rows:
         within = "-" if r.within is None else ("yes" if r.within else "NO")
         yn = {True: "yes", False: "NO", None: "-"}
         lines.append(f"| {r.model} | {r.regime} | {r.budget} | {_pct(r.predicted)} | {_pct(r.measured)} "
-                     f"| {'-' if r.error is None else f'{100 * r.error:+.1f}'} | {within} | {_pct(r.control)} "
+                     f"| {'-' if r.error is None else f'{100 * r.error:+.1f}'} | {within} | {_interval(r)} "
+                     f"| {_pct(r.control)} "
                      f"| {_pct(r.wall)} "
                      f"| {_pct(r.as_given)} | {yn[r.kept]} | {yn[r.bitwise]} | {r.plan}; {r.note} |")
     done = [r for r in rows if r.error is not None]
     if done:
-        worst = max(done, key=lambda r: abs(r.error) / max(TARGET_REL * abs(r.measured), TARGET_POINTS))
+        worst = max(done, key=lambda r: abs(r.error) / tolerance(r.measured))
         held = sum(1 for r in done if r.within)
         lines.append("")
         lines.append(f"{held} of {len(done)} rows within target; worst (against its tolerance): {worst.model}, "
@@ -433,6 +461,7 @@ def table(rows: list[Row]) -> str:
                      f"{_pct(worst.measured)} ({100 * worst.error:+.1f} points). Every plan kept its budget: "
                      f"{'yes' if all(r.kept for r in done) else 'NO'}; every step bitwise: "
                      f"{'yes' if all(r.bitwise for r in done) else 'NO'}.")
+        lines += ["", _verdicts(done)] if any(r.verdict for r in done) else []
         noise = sorted(abs(r.control) for r in done if r.control is not None)
         if noise:
             lines.append("")
