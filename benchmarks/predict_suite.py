@@ -15,7 +15,9 @@ step is bitwise the unmodified one's (``tests/suite.py``), then time the
 unmodified model, both plans and a control -- the unmodified model again, in
 a second copy, whose measured "overhead" is the measurement's noise -- in
 interleaved rounds (the measured overhead: the median over the rounds of
-each round's ratio, :func:`paired`).  The
+each round's ratio, each variant's step in a round the lesser of two;
+beside it its 90 % interval and what that says of the prediction:
+``benchmarks/paired_rounds.py``).  The
 predicted overhead is ``plan.step_ms / plan.baseline_step_ms - 1``; the
 target is within 20 % of the measured one, relative, or 3 points, whichever
 is larger.
