@@ -58,6 +58,7 @@ beside it.
     python benchmarks/predict_suite.py --quick               # a few models, fewer rounds (~3 min)
     python benchmarks/predict_suite.py --models hf-llama,timm-vit --regimes dispatch
     python benchmarks/predict_suite.py --autocast bf16 ...   # under CPU autocast: plans with parameter casts
+    python benchmarks/predict_suite.py --max-rounds 96       # more rounds where the interval cannot tell (~1 h)
 """
 
 from __future__ import annotations
@@ -93,6 +94,16 @@ from autosac.tools.calibrate import calibrate  # noqa: E402
 # glibc keeps what is freed (no trimming of the heap's top, no mmap for large blocks): no page faults a step
 GLIBC_KEEPS = {"MALLOC_TRIM_THRESHOLD_": str(4 << 30), "MALLOC_MMAP_THRESHOLD_": str(1 << 30)}
 QUICK = ("autosac-gpt2", "hf-llama", "hf-gpt2", "timm-vit")
+MORE_ROUNDS = 8  # with --max-rounds: rounds added at a time while a prediction is undecided
+
+
+class Rounds(NamedTuple):
+    """Interleaved rounds per model: ``least`` always; more, up to ``most``,
+    while the measurement cannot tell a prediction within target or not
+    (:func:`paired_rounds.verdict`)."""
+
+    least: int
+    most: int
 
 
 @dataclass
@@ -301,7 +312,8 @@ class Timed(NamedTuple):
     warm: dict  # each round's first step per variant, CPU ms (after another variant ran)
 
 
-def _timed(variants: dict, inputs, loss_fn, rounds: int, steps: int, autocast=None) -> Timed:
+def _timed(variants: dict, inputs, loss_fn, rounds: int, steps: int, autocast=None, undecided=None,
+           most: int = 0) -> Timed:
     """Median CPU ms (this thread), median wall ms and median page faults of
     one training step (forward, loss, backward, AdamW) per variant, over
     interleaved rounds, and each round's CPU ms per variant: the lesser of
@@ -310,7 +322,9 @@ def _timed(variants: dict, inputs, loss_fn, rounds: int, steps: int, autocast=No
     a model jitters by 5-10 % on this VM: the lesser of two narrowed the
     measured overheads' 90 % intervals from 9.9 to 8.0 points at the median
     over predict_suite's 82 rows, the first step reading +0.8 % over the
-    second at the median (the reference's, over the rows) -- no bias."""
+    second at the median (the reference's, over the rows) -- no bias.
+    ``undecided``: given the rounds so far, whether to run more -- checked
+    after ``rounds`` and after every :data:`MORE_ROUNDS` more, up to ``most``."""
     args, kwargs = (inputs, {}) if not isinstance(inputs, dict) else ((), inputs)
     args = args if isinstance(args, tuple) else (args,)
     opts = {k: make_optimizer("adamw", [p for p in m.parameters() if p.requires_grad]) for k, m in variants.items()}
@@ -333,7 +347,8 @@ def _timed(variants: dict, inputs, loss_fn, rounds: int, steps: int, autocast=No
     for k, m in variants.items():
         step(k, m)  # optimizer state
     order = list(variants.items())
-    for r in range(rounds):
+    r, last = 0, rounds
+    while r < last:
         for k, m in order[r % len(order):] + order[:r % len(order)]:  # each variant first in turn
             c = time.thread_time()
             step(k, m)  # the first after the other variants ran
@@ -345,6 +360,9 @@ def _timed(variants: dict, inputs, loss_fn, rounds: int, steps: int, autocast=No
                 wall[k].append((time.perf_counter() - w) * 1e3)
                 faults[k].append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f)
             per_round[k].append(min(warm[k][-1], statistics.median(cpu[k][-steps:])))
+        r += 1
+        if r == last < most and undecided is not None and undecided(per_round):
+            last = min(most, last + MORE_ROUNDS)
     return Timed(*({k: statistics.median(v) for k, v in d.items()} for d in (cpu, wall, faults)), per_round, warm)
 
 
@@ -382,7 +400,7 @@ def _describe(plan) -> str:
     return f"{len(plan.decisions)} regions, {selective} selective, machinery {plan.mechanism_ms:.2f} ms"
 
 
-def run_model(name: str, regime: str, rounds: int, steps: int, autocast=None) -> list[Row]:
+def run_model(name: str, regime: str, rounds: Rounds, steps: int, autocast=None) -> list[Row]:
     build, _ = MODELS[name]
     torch.manual_seed(0)
     model, inputs, loss_fn = build(_sizes(regime))
@@ -405,8 +423,13 @@ def run_model(name: str, regime: str, rounds: int, steps: int, autocast=None) ->
         rows.append(Row(name, regime, label, predicted=plan.step_ms / plan.baseline_step_ms - 1,
                         kept=peak <= plan.budget_bytes, bitwise=bitwise, plan=_describe(plan)))
         variants[label] = planned
-    cpu, wall, faults, per_round, warm = _timed(variants, inputs, loss_fn, rounds, steps, autocast)
     ref = "base" if base is not None else "none"
+
+    def undecided(got: dict) -> bool:  # a prediction the measurement cannot yet tell within target or not
+        return any(verdict(r.predicted, *median_interval(ratios(got, r.budget, ref))) == "noise" for r in rows)
+
+    cpu, wall, faults, per_round, warm = _timed(variants, inputs, loss_fn, rounds.least, steps, autocast,
+                                                undecided, rounds.most)
     for row in rows:
         row.measured = paired(per_round, row.budget, ref)
         row.measured_lo, row.measured_hi = median_interval(ratios(per_round, row.budget, ref))
@@ -414,7 +437,7 @@ def run_model(name: str, regime: str, rounds: int, steps: int, autocast=None) ->
         row.per_round = {"plan": per_round[row.budget], "ref": per_round[ref], "control": per_round["control"],
                          **{f"{k}_warm": warm[v] for k, v in (("plan", row.budget), ("ref", ref), ("control", "control"))}}
         row.wall = wall[row.budget] / wall[ref] - 1
-        row.note = (f"step {cpu[ref]:.1f} ms (predicted {stats.step_ms:.1f}); page faults a step "
+        row.note = (f"{len(per_round[ref])} rounds; step {cpu[ref]:.1f} ms (predicted {stats.step_ms:.1f}); page faults a step "
                     f"{faults[ref]:.0f}, planned {faults[row.budget]:.0f}")
         if base is not None:
             row.as_given = paired(per_round, row.budget, "none")
@@ -487,7 +510,7 @@ def keep_freed_memory() -> None:
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **GLIBC_KEEPS})
 
 
-def _rows_here(name: str, regime: str, rounds: int, autocast: str | None) -> list[Row]:
+def _rows_here(name: str, regime: str, rounds: Rounds, autocast: str | None) -> list[Row]:
     """One model's rows, measured in this process (one model's failure is a row, not the end of the run)."""
     try:
         return run_model(name, regime, rounds, 1, torch.bfloat16 if autocast else None)
@@ -499,9 +522,10 @@ def _rows_here(name: str, regime: str, rounds: int, autocast: str | None) -> lis
 ROW_MARK = "predict_suite rows: "
 
 
-def _rows_apart(name: str, regime: str, rounds: int, autocast: str | None, timeout_s: float = 1800) -> list[Row]:
+def _rows_apart(name: str, regime: str, rounds: Rounds, autocast: str | None, timeout_s: float = 3600) -> list[Row]:
     """One model's rows, measured in a process of its own (this script with ``--row``)."""
-    cmd = [sys.executable, __file__, "--row", f"{name}:{regime}", "--rounds", str(rounds)]
+    cmd = [sys.executable, __file__, "--row", f"{name}:{regime}", "--rounds", str(rounds.least),
+           "--max-rounds", str(rounds.most)]
     cmd += ["--autocast", autocast] if autocast else []
     try:
         done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=timeout_s)
@@ -520,6 +544,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=None,
                     help="interleaved rounds, one timed step of each variant in each (default: 24 dispatch-bound, "
                          "16 compute-bound; --quick half)")
+    ap.add_argument("--max-rounds", type=int, default=0,
+                    help=f"run up to this many rounds per model, {MORE_ROUNDS} more at a time while the measured "
+                         "interval cannot tell a prediction within target or not (default: --rounds only)")
     ap.add_argument("--out", help="also write the table to this file")
     ap.add_argument("--json", help="also write every row, with each round's CPU ms, to this file")
     ap.add_argument("--autocast", choices=("bf16",), help="plan and run under CPU autocast (bfloat16)")
@@ -533,7 +560,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)
         warnings.simplefilter("ignore")
         name, regime = a.row.split(":")
-        print(ROW_MARK + json.dumps([dataclasses.asdict(r) for r in _rows_here(name, regime, a.rounds, a.autocast)]))
+        rounds = Rounds(a.rounds, max(a.rounds, a.max_rounds))
+        print(ROW_MARK + json.dumps([dataclasses.asdict(r) for r in _rows_here(name, regime, rounds, a.autocast)]))
         return 0
     if not a.glibc_returns:
         keep_freed_memory()
@@ -556,14 +584,16 @@ def main(argv=None) -> int:
             if regime not in MODELS[name][1]:
                 continue
             t0 = time.perf_counter()
-            rounds = a.rounds or (24 if regime == "dispatch" else 16) // (2 if a.quick else 1)
+            least = a.rounds or (24 if regime == "dispatch" else 16) // (2 if a.quick else 1)
+            rounds = Rounds(least, max(least, a.max_rounds))
             got = (_rows_here if a.one_process else _rows_apart)(name, regime, rounds, a.autocast)
             rows += got
             for r in got:
                 print(f"{r.model} {r.regime} {r.budget}: predicted {_pct(r.predicted)} measured {_pct(r.measured)} "
                       f"(wall {_pct(r.wall)}) kept {r.kept} bitwise {r.bitwise} [{time.perf_counter() - t0:.0f} s]",
                       file=sys.stderr, flush=True)
-    text = table(rows) + (f"\n\n({len(names)} models, {a.rounds or '24 and 16'} rounds, "
+    most = f", up to {a.max_rounds} while undecided" if a.max_rounds else ""
+    text = table(rows) + (f"\n\n({len(names)} models, {a.rounds or '24 and 16'} rounds{most}, "
                           f"{time.perf_counter() - started:.0f} s, "
                           f"{kept}{', bf16 autocast' if a.autocast else ''}"
                           f"{', every model in one process' if a.one_process else ', each model in its own process'})")
