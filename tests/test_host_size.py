@@ -12,7 +12,7 @@ from suite import A100_CPU_KERNELS
 
 import autosac
 from autosac.core.host import HostCosts
-from autosac.core.hostsize import MIB, anchor_bytes, extra_us, fit_extras
+from autosac.core.hostsize import MIB, anchor_bytes, extra_us, fit_extras, machinery_us
 from autosac.models import build_model
 from autosac.solver.problem import build_problem
 from autosac.tools.calibration_models import _Block
@@ -69,6 +69,23 @@ def _selective_mechanisms(host: HostCosts, device_type: str):
     return stats, build_problem(stats)
 
 
+def test_the_machinery_pays_for_an_op_no_more_than_for_the_large_calibrations_op():
+    """An op's kernel evicts the caches the machinery's Python work runs in;
+    more bytes do not evict more: a 4 MiB op adds to the checkpointing
+    machinery what a 1 MiB one does (the host's op time, memory traffic,
+    still grows with it), below the large size as the op's own figures do."""
+    host = replace(SIZED, checkpoint_us_per_mib=30.0)
+    assert machinery_us(4 * LARGE, SMALL, LARGE, 30.0) == machinery_us(LARGE, SMALL, LARGE, 30.0) == 30.0
+    assert machinery_us(256 << 10, SMALL, LARGE, 30.0) == extra_us(256 << 10, SMALL, LARGE, 30.0) > 0
+    assert machinery_us(SMALL, SMALL, LARGE, 30.0) == 0.0 and machinery_us(LARGE, SMALL, 0.0, 30.0) == 0.0
+    plain = host.checkpoint_ms(0, 0, selective=False)
+    assert host.checkpoint_ms(0, 0, selective=False, op_bytes=[4 * LARGE] * 8) == pytest.approx(plain + 8 * 30e-3)
+    selective = host.checkpoint_ms(0, 8, selective=True)
+    assert host.checkpoint_ms(0, 8, selective=True, op_bytes=[4 * LARGE] * 8) == pytest.approx(
+        selective + 8 * (30.0 + 2 * 20.0) / 1e3)
+    assert host.op_ms(1.0, "cpu", timed=True, nbytes=4 * LARGE) > host.op_ms(1.0, "cpu", timed=True, nbytes=LARGE)
+
+
 def _with_and_without(sized: HostCosts, without: HostCosts):
     """The trace's stats and both hosts' candidates on a CPU target, and both hosts' mechanisms on a CUDA one."""
     stats, a = _selective_mechanisms(sized, "cpu")
@@ -83,7 +100,7 @@ def test_a_selective_regions_op_calls_cost_more_by_what_they_make_on_a_cpu_targe
     checked = 0
     for a, b in zip(sized.candidates, plain.candidates):
         made = stats.timeline.made_bytes[a.window[0] : a.window[1]]
-        extra = 2 * sum(extra_us(m, SMALL, LARGE, 20.0) for m in made) / 1e3  # the forward and the replay
+        extra = 2 * sum(machinery_us(m, SMALL, LARGE, 20.0) for m in made) / 1e3  # the forward and the replay
         for ma, mb in zip(a.mechanism, b.mechanism):
             selective = not math.isclose(mb, without.checkpoint_ms(stats.modules[a.fqn].saved_tensors[0], 0, False))
             assert ma - mb == pytest.approx(extra if selective else 0.0, abs=1e-12)
@@ -100,7 +117,7 @@ def test_a_checkpointed_calls_machinery_costs_more_by_what_its_ops_make_on_a_cpu
     checked = 0
     for a, b in zip(with_it.candidates, without.candidates):
         made = stats.timeline.made_bytes[a.window[0] : a.window[1]]
-        extra = sum(extra_us(m, SMALL, LARGE, 30.0) for m in made) / 1e3
+        extra = sum(machinery_us(m, SMALL, LARGE, 30.0) for m in made) / 1e3
         assert [ma - mb for ma, mb in zip(a.mechanism, b.mechanism)] == pytest.approx([extra] * len(a.mechanism),
                                                                                        abs=1e-12)
         checked += extra > 0
@@ -163,7 +180,7 @@ def test_the_size_figure_is_what_a_call_measured_beyond_its_price_per_weighted_m
                 for _, ck, _, _ in copies.values()) / 2
     price_us = 150.0 + 20.0 * m.saved_tensors[0] + 15.0 * roots + 0.3 * m.state_items
     skipped_us = sum(tl.ms[stop:w1]) * 1e3 + (w1 - stop - 1) * 10.0
-    mib = sum(extra_us(b, 25_000.0, 800_000.0, 1.0) for b in tl.made_bytes[w0:w1])
+    mib = sum(machinery_us(b, 25_000.0, 800_000.0, 1.0) for b in tl.made_bytes[w0:w1])
     assert mib > 1.0  # its ops are large: most of them past the large size
     monkeypatch.setattr(size, "_copies", lambda *a: (copies, None, traced))
     for k, expected in ((80.0, 80.0), (-30.0, 0.0)):
@@ -198,7 +215,7 @@ def test_the_fitted_extras_price_the_large_calibration_model_as_measured():
     assert priced_fw == pytest.approx(30.0 * len(fw), rel=1e-3)
     assert priced_bw == pytest.approx(12.0 * len(bw), rel=1e-3)
     w0, w1 = stats.modules["0"].fw_windows[0]
-    priced_sel = sum(10.0 + extra_us(m, small_bytes, large_bytes, got["selective_us_per_mib"])
+    priced_sel = sum(10.0 + machinery_us(m, small_bytes, large_bytes, got["selective_us_per_mib"])
                      for m in tl.made_bytes[w0:w1])
     assert 2 * priced_sel == pytest.approx(4000.0, rel=1e-3)
     assert got["untimed_us_per_mib"] > 0 and MIB == 1 << 20

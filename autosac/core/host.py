@@ -14,13 +14,14 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
-CACHE_KEY = "host-costs-v22"  # bump when the micro-benchmark changes (v12: a large size too, autosac.core.hostsize;
+CACHE_KEY = "host-costs-v23"  # bump when the micro-benchmark changes (v12: a large size too, autosac.core.hostsize;
 # v13: cold_read_us_per_mib, autosac.core.coldread; v14: cast_hook_us; v15: figures as medians of per-round figures;
 # v16: first_call_us; v17: call_gap_us in its place, checkpoint_call_us and saved_tensor_us at no gap;
 # state_item_us; v18: call_gap_us in the rounds, the models' op timings taken anew, medians over noisy calibrations;
 # v19: the trace no longer counts autograd's copies of unpacked saved tensors as backward ops;
 # v20: the ops a checkpoint's replay skips after its last saved tensor added back to the machinery's figures;
-# v21: checkpoint_us_per_mib, autosac.tools.calibration_size; v22: the large model's kernels timed in each round)
+# v21: checkpoint_us_per_mib, autosac.tools.calibration_size; v22: the large model's kernels timed in each round;
+# v23: the machinery's per-MiB figures weigh an op no more than the large calibration's typical one)
 _FIELDS = ("op_us", "checkpoint_call_us", "saved_tensor_us", "selective_op_us", "untimed_op_us", "backward_op_us",
            "backward_untimed_us", "small_op_bytes", "large_op_bytes", "untimed_us_per_mib", "backward_untimed_us_per_mib",
            "selective_us_per_mib", "cold_read_us_per_mib", "cast_hook_us", "cast_remake_us", "call_gap_us",
@@ -91,6 +92,13 @@ class HostCosts:
 
         return extra_us(nbytes, self.small_op_bytes, self.large_op_bytes, us_per_mib)
 
+    def machinery_us(self, nbytes: float, us_per_mib: float) -> float:
+        """What an op making ``nbytes`` adds to a checkpointing machinery figure
+        (:func:`autosac.core.hostsize.machinery_us`: no more than the large calibration's typical op)."""
+        from autosac.core.hostsize import machinery_us
+
+        return machinery_us(nbytes, self.small_op_bytes, self.large_op_bytes, us_per_mib)
+
     def op_ms(self, kernel_ms: float, device_type: str, timed: bool, backward: bool = False, nbytes: int = 0) -> float:
         """One op call's time from its kernel's: on a GPU the longer of the
         two (the host issues the next op while the kernel runs); on the CPU
@@ -117,14 +125,15 @@ class HostCosts:
         for the op calls run since the machinery last ran.  ``op_bytes``: what each op call makes,
         where its kernels run on this CPU: large ones cost the call's machinery
         (``checkpoint_us_per_mib``) and a selective call's per-op work more per
-        MiB they make (:mod:`autosac.core.hostsize`)."""
+        MiB they make, up to the large calibration's typical op
+        (:func:`autosac.core.hostsize.machinery_us`)."""
         us = self.checkpoint_call_us + saved_tensors * self.saved_tensor_us + self.gap_us(roots)
         us += state_items * self.state_item_us
         if self.checkpoint_us_per_mib:
-            us += sum(self.size_us(b, self.checkpoint_us_per_mib) for b in op_bytes)
+            us += sum(self.machinery_us(b, self.checkpoint_us_per_mib) for b in op_bytes)
         if selective:
             us += 2 * ops * self.selective_op_us
-            us += 2 * sum(self.size_us(b, self.selective_us_per_mib) for b in op_bytes)
+            us += 2 * sum(self.machinery_us(b, self.selective_us_per_mib) for b in op_bytes)
         return us / 1e3
 
     def gap_us(self, roots: float) -> float:

@@ -46,6 +46,20 @@ def extra_us(nbytes: float, small: float, large: float, us_per_mib: float) -> fl
     return share(nbytes, small, large) * nbytes / MIB * us_per_mib if us_per_mib else 0.0
 
 
+def machinery_us(nbytes: float, small: float, large: float, us_per_mib: float) -> float:
+    """What an op making ``nbytes`` adds to the checkpointing machinery's
+    per-op and per-call figures: as :func:`extra_us`, but an op larger than
+    the large calibration's typical op (``large``) adds what that one does.
+    The machinery is Python and autograd work run after the op's kernel, cold
+    once the kernel has evicted the caches: more bytes do not make it colder.
+    Priced per MiB without that cap, a selective region around transformers
+    GPT-2's tanh GELU (eight elementwise ops making 2 MiB each at width 256)
+    came to 5.2 ms of machinery and its mid plans 3-5 points high, where the
+    ViTs' regions around an exact GELU (one op) were priced 1.8 ms and landed
+    within 0.1 points (``benchmarks/predict_suite.py``)."""
+    return extra_us(min(nbytes, large), small, large, us_per_mib) if large > 0 else 0.0
+
+
 def share(nbytes: float, small: float, large: float) -> float:
     """The share (0 to 1) of the large calibration's extra per-op cost an op
     making ``nbytes`` pays: 0 up to ``small`` bytes, 1 from ``large`` on,
@@ -103,8 +117,9 @@ def fit_extras(small: dict, large: dict, stats, small_bytes: float, large_bytes:
                                            small["backward_untimed_us"], len(backward), sum(backward)),
         # the selective figure is per checkpointed call, both passes over its ops
         "selective_us_per_mib": extra(large["selective_us"] / 2, small["selective_op_us"], w1 - w0,
-                                       sum(shares[w0:w1])),
+                                       sum(machinery_us(b, small_bytes, large_bytes, 1.0)
+                                           for b in tl.made_bytes[w0:w1])),
     }
 
 
-__all__ = ["anchor_bytes", "extra_us", "fit_extras", "made_bytes", "share"]
+__all__ = ["anchor_bytes", "extra_us", "fit_extras", "machinery_us", "made_bytes", "share"]

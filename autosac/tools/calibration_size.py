@@ -148,7 +148,7 @@ def checkpoint_us_per_mib(figures: dict, rounds: int = 8) -> SizeFigure:
         SizeFigure(us_per_mib=102.1, share=0.99, steady=True)
     """
     from autosac.core.host import HostCosts
-    from autosac.core.hostsize import LARGE_BATCH, LARGE_SEQ, LARGE_WIDTH, extra_us
+    from autosac.core.hostsize import LARGE_BATCH, LARGE_SEQ, LARGE_WIDTH, machinery_us
     from autosac.core.noise import TOLERANCE, share_meter
 
     with torch.random.fork_rng(devices=[]):
@@ -174,7 +174,7 @@ def checkpoint_us_per_mib(figures: dict, rounds: int = 8) -> SizeFigure:
     priced_us = host.checkpoint_ms(m.saved_tensors[0], w1 - w0, selective=False, roots=roots,
                                    state_items=m.state_items) * 1e3
     small, large = figures.get("small_op_bytes", 0.0), figures.get("large_op_bytes", 0.0)
-    mib = sum(extra_us(b, small, large, 1.0) for b in tl.made_bytes[w0:w1])
+    mib = sum(machinery_us(b, small, large, 1.0) for b in tl.made_bytes[w0:w1])
     rate = round(max(0.0, (measured_us - priced_us) / mib), 3) if mib > 0 else 0.0
     return SizeFigure(rate, share, steady)
 
