@@ -58,7 +58,7 @@ beside it.
     python benchmarks/predict_suite.py --quick               # a few models, fewer rounds (~3 min)
     python benchmarks/predict_suite.py --models hf-llama,timm-vit --regimes dispatch
     python benchmarks/predict_suite.py --autocast bf16 ...   # under CPU autocast: plans with parameter casts
-    python benchmarks/predict_suite.py --max-rounds 96       # more rounds where the interval cannot tell (~1 h)
+    python benchmarks/predict_suite.py --max-rounds 64       # more rounds where the interval cannot tell (~20-25 min)
 """
 
 from __future__ import annotations
