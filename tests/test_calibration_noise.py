@@ -538,7 +538,10 @@ def test_each_figure_is_the_median_of_its_rounds_figures(fresh):
     period and one variant's lucky sample moved figures by up to 2x)."""
     models, variants, inputs = host._benchmark()
     host._take_round(variants, inputs)  # warm-up
-    real, _ = host._take_round(variants, inputs)
+    for _ in range(6):  # a round taken beside a busy suite can clamp the call's figure at 0 (one CI run):
+        real, _ = host._take_round(variants, inputs)  # then no mixing can be seen to move it
+        if host._estimate(models, [real])["checkpoint_call_us"] > 0:
+            break
 
     def scaled(factor, only=None):
         return {k: [(fw * factor, t * factor) if only in (None, k[1]) else (fw, t) for fw, t in v]
@@ -549,6 +552,7 @@ def test_each_figure_is_the_median_of_its_rounds_figures(fresh):
     # zero, set against kernel times that do not drift), so three others could lie on one side
     rounds = [scaled(1.0), scaled(1.3), scaled(1.0), scaled(0.8), scaled(1.0), scaled(0.7, only="whole"), scaled(1.0)]
     steady = host._estimate(models, [real])
+    assert steady["checkpoint_call_us"] > 0, "six rounds in a row clamped the call's figure at 0: a machine too busy"
     assert host._estimate(models, rounds) == steady
     least_apart = {k: [min((s for r in rounds for s in r[k]), key=lambda s: s[1])] for k in real}
     mixed = host._estimate(models, [least_apart])  # the least of each variant, from any round: as before
