@@ -7,10 +7,8 @@ ops around it runs cache-cold, and the op's own output lands in memory the
 step has not touched lately.  Timing each op alone, on the same memory over
 and over, sees neither.  Measured on this 2-core machine, at width 256
 (outputs of 0.5-2 MiB) a forward op cost 33 us beyond its own timing, 4 us
-at width 64; a selective checkpoint's per-op work 37 us, 14 at width 64.
-Priced at the small figures, compute-bound steps were predicted 25-35 %
-short and selective plans' overheads 3-7 points low
-(``benchmarks/predict_suite.py``).
+at width 64.  Priced at the small figures, compute-bound steps were
+predicted 25-35 % short (``benchmarks/predict_suite.py``).
 
 :func:`autosac.tools.calibrate.calibrate` therefore runs its micro-benchmark at two
 sizes: the small one gives the host figures, the large one how much more
@@ -19,8 +17,12 @@ makes nothing: AdamW's foreach ops pay for what they read cold instead,
 :mod:`autosac.core.coldread`).  An op
 between the two sizes pays a share of that, by the logarithm of its bytes
 (:func:`share`); ops no larger than the small calibration's pay nothing
-more.  Each figure is fitted so that the large calibration model is priced
-what it measured (:func:`fit_extras`).
+more.  The op figures are fitted so that the large calibration model is
+priced what it measured (:func:`fit_extras`); the checkpointing machinery's
+(``checkpoint_us_per_mib``, ``selective_us_per_mib``) are measured with
+regions side by side in one step (:mod:`autosac.tools.calibration_size`)
+and weigh an op no more than the large calibration's typical one
+(:func:`machinery_us`).
 """
 
 from __future__ import annotations
@@ -106,7 +108,6 @@ def fit_extras(small: dict, large: dict, stats, small_bytes: float, large_bytes:
     shares = [share(b, small_bytes, large_bytes) * b / MIB for b in tl.made_bytes]  # MiB weighted
     forward = [s for s, ph in zip(shares, tl.phases) if ph != "backward"]
     backward = [s for s, ph in zip(shares, tl.phases) if ph == "backward"]
-    w0, w1 = stats.modules["0"].fw_windows[0]
 
     def extra(total_us: float, small_us: float, ops: int, weight: float) -> float:
         return round(max(0.0, (total_us - small_us * ops) / weight), 3) if weight > 0 else 0.0
@@ -116,10 +117,6 @@ def fit_extras(small: dict, large: dict, stats, small_bytes: float, large_bytes:
                                   sum(forward)),
         "backward_untimed_us_per_mib": extra(large["backward_untimed_us"] * len(backward),
                                            small["backward_untimed_us"], len(backward), sum(backward)),
-        # the selective figure is per checkpointed call, both passes over its ops
-        "selective_us_per_mib": extra(large["selective_us"] / 2, small["selective_op_us"], w1 - w0,
-                                       sum(machinery_us(b, small_bytes, large_bytes, 1.0)
-                                           for b in tl.made_bytes[w0:w1])),
     }
 
 

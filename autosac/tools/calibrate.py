@@ -31,14 +31,15 @@ own, whatever the kernels cost:
 * ``selective_op_us``: each op call inside a selectively checkpointed call
   (some outputs cached, some recomputed), in the forward and again in the
   recompute: autosac's dispatch mode and its per-call checks.
-* ``untimed_us_per_mib``, ``backward_untimed_us_per_mib``,
-  ``selective_us_per_mib`` (with ``small_op_bytes`` and ``large_op_bytes``):
-  where the kernels run on this CPU, what an op making large data adds to
-  the three figures above per MiB it makes (:mod:`autosac.core.hostsize`).
-* ``checkpoint_us_per_mib``: where the kernels run on this CPU, what a
-  checkpointed call's machinery costs more per MiB its forward's ops make:
-  its Python runs cache-cold after large kernels, measured inside one step
-  at the large size (:mod:`autosac.tools.calibration_size`).
+* ``untimed_us_per_mib``, ``backward_untimed_us_per_mib`` (with
+  ``small_op_bytes`` and ``large_op_bytes``): where the kernels run on this
+  CPU, what an op making large data adds to ``untimed_op_us`` and
+  ``backward_untimed_us`` per MiB it makes (:mod:`autosac.core.hostsize`).
+* ``checkpoint_us_per_mib``, ``selective_us_per_mib``: where the kernels run
+  on this CPU, what a checkpointed call's machinery, and a selective call's
+  per-op work, cost more per MiB its forward's ops make: their Python runs
+  cache-cold after large kernels; measured inside one step at the large
+  size, regions side by side (:mod:`autosac.tools.calibration_size`).
 * ``cold_read_us_per_mib``: where the kernels run on this CPU, what an
   optimizer's foreach op adds per MiB it reads that the foreach op before it
   did not touch (:mod:`autosac.core.coldread`).
@@ -115,7 +116,7 @@ from autosac.core.noise import (
 )
 from autosac.tools.calibration_history import median_costs, recalled, remember
 from autosac.tools.calibration_models import _Block, _calibration_models, _gap_roots, _large_models, _tiny, replay_skips
-from autosac.tools.calibration_size import SizeFigure, checkpoint_us_per_mib
+from autosac.tools.calibration_size import checkpoint_us_per_mib, selective_us_per_mib
 
 _CALIBRATED: HostCosts | None = None
 
@@ -318,17 +319,25 @@ def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, r
     figures = _without_gaps(figures, models)
     if figures.get("large_op_bytes"):
         figures["cold_read_us_per_mib"] = _cold_read_us_per_mib(figures["small_op_bytes"], figures["large_op_bytes"])
-        try:
-            size = checkpoint_us_per_mib(figures)
-        except Exception as e:  # noqa: BLE001 - one figure lost, not every figure: priced without it
-            size = SizeFigure(0.0, 0.0)
-            reasons.append(f"checkpoint_us_per_mib could not be measured ({type(e).__name__}: {e})")
-        figures["checkpoint_us_per_mib"] = size.us_per_mib
-        if 0 < size.share < MIN_SHARE:  # its rounds are its own: beside other work it read 0-150 us/MiB, 102-115 alone
-            reasons.append(f"the thread timing checkpoint_us_per_mib had {size.share:.0%} of a core")
-        if not size.steady:
-            reasons.append(f"checkpoint_us_per_mib's even and odd rounds differed by more than {TOLERANCE:.0%}")
+        for name, measure in (("checkpoint_us_per_mib", checkpoint_us_per_mib),
+                              ("selective_us_per_mib", selective_us_per_mib)):
+            figures[name] = _size_figure(name, measure, figures, reasons)
     return Measured(HostCosts(**figures), tuple(reasons), got.rounds)
+
+
+def _size_figure(name: str, measure, figures: dict, reasons: list[str]) -> float:
+    """A per-MiB machinery figure measured in place (:mod:`autosac.tools.calibration_size`),
+    with why it is noisy added to ``reasons``; 0 where it could not be measured."""
+    try:
+        size = measure(figures)
+    except Exception as e:  # noqa: BLE001 - one figure lost, not every figure: priced without it
+        reasons.append(f"{name} could not be measured ({type(e).__name__}: {e})")
+        return 0.0
+    if 0 < size.share < MIN_SHARE:  # its rounds are its own: beside other work it read 0-150 us/MiB, 102-115 alone
+        reasons.append(f"the thread timing {name} had {size.share:.0%} of a core")
+    if not size.steady:
+        reasons.append(f"{name}'s even and odd rounds differed by more than {TOLERANCE:.0%}")
+    return size.us_per_mib
 
 
 def _benchmark(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32) -> tuple[dict, dict, dict]:

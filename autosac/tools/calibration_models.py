@@ -89,11 +89,12 @@ def _tiny(width: int) -> nn.Module:
 
 def _large_models() -> tuple[dict, torch.Tensor]:
     """The calibration at the large size (:mod:`autosac.core.hostsize`): one
-    block per region, plain, twice, whole and selective, as the shallow one."""
+    block per region, plain, twice and whole (its selective figure is measured
+    in place: :mod:`autosac.tools.calibration_size`)."""
     from autosac.core.hostsize import LARGE_BATCH, LARGE_REGIONS, LARGE_SEQ, LARGE_WIDTH
 
     x = torch.randn(LARGE_BATCH, LARGE_SEQ, LARGE_WIDTH)
-    setup = _calibration_models(lambda: _Block(LARGE_WIDTH, 1), LARGE_REGIONS, x, selective=True)
+    setup = _calibration_models(lambda: _Block(LARGE_WIDTH, 1), LARGE_REGIONS, x, plain=True)
     setup["kernels"] = ForwardKernels(setup["variants"]["none"], x)
     return setup, x
 
@@ -137,9 +138,9 @@ class ForwardKernels:
 
 
 def _calibration_models(region, blocks: int, x: torch.Tensor, selective: bool = False, casts: bool = False,
-                        alone: bool = False) -> dict:
+                        alone: bool = False, plain: bool = False) -> dict:
     """One calibration model (``blocks`` regions, each made by ``region()``
-    and followed by a plain layer), its profile, and its variants: plain (where ``selective``), each region's
+    and followed by a plain layer), its profile, and its variants: plain (where ``plain`` or ``selective``), each region's
     forward run twice, every region checkpointed whole, (``selective``)
     every region caching its first matmul, (``casts``) the plain model
     under the parameter-cast hook of a plan with casts, and (``alone``) the
@@ -168,8 +169,9 @@ def _calibration_models(region, blocks: int, x: torch.Tensor, selective: bool = 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         variants["whole"] = autosac.applier.apply(copy.deepcopy(model), whole)
-        if selective:  # the same regions, each caching its first matmul and recomputing the rest
+        if plain or selective:
             variants["none"] = model
+        if selective:  # the same regions, each caching its first matmul and recomputing the rest
             partial = copy.deepcopy(whole)
             for d in partial.details.values():
                 d.save = [next(i for i, (op, _) in enumerate(d.calls) if op == "addmm")]

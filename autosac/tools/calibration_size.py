@@ -23,6 +23,16 @@ checkpointed region's time less the twice-run one's, plus what the replay
 skips after its last saved tensor; what it costs beyond the small figures'
 price of such a call, per MiB its forward's ops make (weighted as the other
 per-MiB figures: :func:`autosac.core.hostsize.share`), is the figure.
+
+``selective_us_per_mib`` is measured the same way: regions checkpointed
+selectively (caching their first op, a layer norm, and recomputing the
+rest) side by side with regions checkpointed whole.  Step against step (the
+large calibration model checkpointed selectively against it checkpointed
+whole, the cached op's traced time added back) it read 115-276 us per MiB
+over calibrations here, and flipped width-256 plans between selective and
+plain; in place it read -15 to +12 (32 rounds, five times): at the large
+size a selective call's per-op work costs what the small calibration's
+``selective_op_us`` says.
 """
 
 from __future__ import annotations
@@ -75,11 +85,14 @@ class _Timed(nn.Module):
         return self.times[0] + self.times[2] - self.times[1]
 
 
-def _copies(width: int, batch: int, seq: int) -> tuple[dict, torch.Tensor, dict]:
+def _copies(width: int, batch: int, seq: int,
+            kinds: tuple[str, str] = ("whole", "twice")) -> tuple[dict, torch.Tensor, dict]:
     """The two model copies (the regions, children 1, 3, 5 and 7, each after a
-    plain layer: 1 and 5 checkpointed in one copy and run twice in the other,
-    3 and 7 the other way round), the input, and the trace's figures of one
-    region (``autosac.trace.profile``)."""
+    plain layer: 1 and 5 of the first of ``kinds`` in one copy and of the
+    second in the other, 3 and 7 the other way round), the input, and the
+    trace's figures of one region (``autosac.trace.profile``).  A kind is
+    ``"whole"`` (checkpointed), ``"twice"`` (its forward run twice) or
+    ``"selective"`` (checkpointed, caching its first op's output)."""
     import autosac.applier
     import autosac.trace
     from autosac.core.devices import DEVICES
@@ -93,46 +106,84 @@ def _copies(width: int, batch: int, seq: int) -> tuple[dict, torch.Tensor, dict]
     timed = [str(i) for i in range(1, 2 * _REGIONS, 2)]
     groups = (timed[0::2], timed[1::2])
     copies = {}
-    for k, (ckpt, twice) in enumerate((groups, groups[::-1])):
-        plan = plan_from_decisions(stats, {f"{name}.region": 1.0 for name in ckpt})
+    for k, (first, second) in enumerate((groups, groups[::-1])):
+        kind_of = {**dict.fromkeys(first, kinds[0]), **dict.fromkeys(second, kinds[1])}
+        plan = plan_from_decisions(stats, {f"{n}.region": 1.0 for n, kind in kind_of.items() if kind != "twice"})
+        for n, kind in kind_of.items():
+            if kind == "selective":
+                plan.details[f"{n}.region"].save, plan.details[f"{n}.region"].skip = [0], []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             m = autosac.applier.apply(copy.deepcopy(model), plan)
-        for name in twice:
-            m.get_submodule(name).twice = True
-        for name in timed:
-            m.get_submodule(name).timing = True
-        copies[k] = (m, ckpt, twice, plan)
+        for n, kind in kind_of.items():
+            m.get_submodule(n).twice = kind == "twice"
+            m.get_submodule(n).timing = True
+        copies[k] = (m, first, second, plan)
     return copies, x, {"stats": stats, "fqn": f"{timed[0]}.region"}
 
 
 def _mechanism_ms(copies: dict, x: torch.Tensor, rounds: int) -> list[float]:
-    """Each of ``rounds`` rounds' checkpointed region's time less the
-    twice-run one's, in ms (both copies, a step of each, in turn)."""
+    """Each of ``rounds`` rounds' first-kind region's time less the
+    second-kind one's, in ms (both copies, a step of each, in turn)."""
     per_round = []
     for r in range(rounds + 1):
         diffs = []
         for k in ((0, 1) if r % 2 else (1, 0)):
-            m, ckpt, twice, _ = copies[k]
+            m, first, second, _ = copies[k]
             m(x).sum().backward()
-            t = {name: m.get_submodule(name).seconds() for name in ckpt + twice}
-            diffs.append(statistics.mean(t[n] for n in ckpt) - statistics.mean(t[n] for n in twice))
+            t = {name: m.get_submodule(name).seconds() for name in first + second}
+            diffs.append(statistics.mean(t[n] for n in first) - statistics.mean(t[n] for n in second))
         if r:  # the first round warms up
             per_round.append(statistics.mean(diffs) * 1e3)
     return per_round
 
 
 class SizeFigure(NamedTuple):
-    """What :func:`checkpoint_us_per_mib` measured: the figure, the share of a
-    core its thread had while timing (below :data:`autosac.core.noise.MIN_SHARE`:
-    measured beside other work), and whether the medians of its even and its
-    odd rounds agree within :data:`autosac.core.noise.TOLERANCE` of the
-    call's measured machinery (on a quiet machine here they differed by
-    0.05-0.2 ms on about 2.2)."""
+    """What :func:`checkpoint_us_per_mib` or :func:`selective_us_per_mib`
+    measured: the figure, the share of a core its thread had while timing
+    (below :data:`autosac.core.noise.MIN_SHARE`: measured beside other work),
+    and whether the medians of its even and its odd rounds agree within
+    :data:`autosac.core.noise.TOLERANCE` of the call's measured cost (on a
+    quiet machine here they differed by 0.05-0.2 ms on about 2.2)."""
 
     us_per_mib: float
     share: float
     steady: bool = True
+
+
+def _measured(kinds: tuple[str, str], rounds: int) -> tuple[float, float, float, dict, dict]:
+    """Over ``rounds`` rounds at the large size: the median of the first of
+    ``kinds``' region's time less the second's (us), how far the medians of
+    the even and the odd rounds lie apart (us), the timing thread's share of a
+    core, the copies (:func:`_copies`) and the trace's figures."""
+    from autosac.core.hostsize import LARGE_BATCH, LARGE_SEQ, LARGE_WIDTH
+    from autosac.core.noise import share_meter
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        copies, x, traced = _copies(LARGE_WIDTH, LARGE_BATCH, LARGE_SEQ, kinds)
+    share = share_meter()
+    per_round = _mechanism_ms(copies, x, rounds)
+    share = share()
+    halves_us = abs(statistics.median(per_round[0::2]) - statistics.median(per_round[1::2])) * 1e3 \
+        if len(per_round) >= 2 else 0.0
+    return statistics.median(per_round) * 1e3, halves_us, share, copies, traced
+
+
+def _weighted_mib(stats, fqn: str, figures: dict) -> float:
+    """The MiB a region's forward ops make, each weighted as the machinery's
+    per-MiB figures weigh it (:func:`autosac.core.hostsize.machinery_us`)."""
+    from autosac.core.hostsize import machinery_us
+
+    w0, w1 = stats.modules[fqn].fw_windows[0]
+    small, large = figures.get("small_op_bytes", 0.0), figures.get("large_op_bytes", 0.0)
+    return sum(machinery_us(b, small, large, 1.0) for b in stats.timeline.made_bytes[w0:w1])
+
+
+def _host(figures: dict):
+    from autosac.core.host import HostCosts
+
+    return HostCosts(**{k: v for k, v in figures.items() if k in HostCosts.__dataclass_fields__})
 
 
 def checkpoint_us_per_mib(figures: dict, rounds: int = 8) -> SizeFigure:
@@ -147,36 +198,51 @@ def checkpoint_us_per_mib(figures: dict, rounds: int = 8) -> SizeFigure:
         >>> checkpoint_us_per_mib(calibrate().to_dict())
         SizeFigure(us_per_mib=102.1, share=0.99, steady=True)
     """
-    from autosac.core.host import HostCosts
-    from autosac.core.hostsize import LARGE_BATCH, LARGE_SEQ, LARGE_WIDTH, machinery_us
-    from autosac.core.noise import TOLERANCE, share_meter
+    from autosac.core.noise import TOLERANCE
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        copies, x, traced = _copies(LARGE_WIDTH, LARGE_BATCH, LARGE_SEQ)
+    diff_us, halves_us, share, copies, traced = _measured(("whole", "twice"), rounds)
     stats, fqn = traced["stats"], traced["fqn"]
     m = stats.modules[fqn]
     w0, w1 = m.fw_windows[0]
-    tl = stats.timeline
     # what the replay skips and the twice-run region runs: its kernels, and its op calls at the host's op_us
     kernels_ms, ops = replay_skips(stats, fqn)
-    skipped_ms = kernels_ms + ops * figures["op_us"] / 1e3
-    share = share_meter()
-    per_round = _mechanism_ms(copies, x, rounds)
-    share = share()
-    measured_us = (statistics.median(per_round) + skipped_ms) * 1e3
-    halves = abs(statistics.median(per_round[0::2]) - statistics.median(per_round[1::2])) * 1e3
-    steady = len(per_round) < 2 or halves <= TOLERANCE * abs(measured_us)
-    host = HostCosts(**{k: v for k, v in figures.items() if k in HostCosts.__dataclass_fields__})
+    measured_us = diff_us + (kernels_ms + ops * figures["op_us"] / 1e3) * 1e3
     # the gaps the measured calls ran at: each copy's checkpointed regions, both copies alike
     roots = statistics.mean(_gap_roots(traced, [f"{name}.region" for name in ckpt]) / len(ckpt)
                             for _, ckpt, _, _ in copies.values())
-    priced_us = host.checkpoint_ms(m.saved_tensors[0], w1 - w0, selective=False, roots=roots,
-                                   state_items=m.state_items) * 1e3
-    small, large = figures.get("small_op_bytes", 0.0), figures.get("large_op_bytes", 0.0)
-    mib = sum(machinery_us(b, small, large, 1.0) for b in tl.made_bytes[w0:w1])
+    priced_us = _host(figures).checkpoint_ms(m.saved_tensors[0], w1 - w0, selective=False, roots=roots,
+                                             state_items=m.state_items) * 1e3
+    mib = _weighted_mib(stats, fqn, figures)
     rate = round(max(0.0, (measured_us - priced_us) / mib), 3) if mib > 0 else 0.0
-    return SizeFigure(rate, share, steady)
+    return SizeFigure(rate, share, halves_us <= TOLERANCE * abs(measured_us))
 
 
-__all__ = ["SizeFigure", "checkpoint_us_per_mib"]
+def selective_us_per_mib(figures: dict, rounds: int = 8) -> SizeFigure:
+    """``selective_us_per_mib`` (see the module's docstring), never below 0: what
+    a selectively checkpointed call's per-op work costs beyond the small
+    calibration's ``selective_op_us`` per op call, in its forward and its
+    replay, per weighted MiB its forward's ops make.  ``figures``: the small
+    calibration's (``selective_op_us``, ``untimed_op_us``,
+    ``untimed_us_per_mib``, ``small_op_bytes``, ``large_op_bytes``).  About
+    5 s on this 2-core machine.
+
+    Example::
+
+        >>> selective_us_per_mib(calibrate().to_dict())
+        SizeFigure(us_per_mib=0.0, share=0.99, steady=True)
+    """
+    from autosac.core.noise import TOLERANCE
+
+    diff_us, halves_us, share, _, traced = _measured(("selective", "whole"), rounds)
+    stats, fqn = traced["stats"], traced["fqn"]
+    w0, w1 = stats.modules[fqn].fw_windows[0]
+    tl = stats.timeline
+    # the selective replay does not run the cached op, which the whole one does: its time added back
+    cached_us = _host(figures).op_ms(tl.ms[w0], "cpu", timed=True, nbytes=tl.made_bytes[w0]) * 1e3
+    measured_us = diff_us + cached_us  # both passes' per-op work
+    mib = _weighted_mib(stats, fqn, figures)
+    rate = round(max(0.0, (measured_us / 2 - (w1 - w0) * figures["selective_op_us"]) / mib), 3) if mib > 0 else 0.0
+    return SizeFigure(rate, share, halves_us <= TOLERANCE * abs(measured_us))
+
+
+__all__ = ["SizeFigure", "checkpoint_us_per_mib", "selective_us_per_mib"]
