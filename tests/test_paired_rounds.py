@@ -56,3 +56,24 @@ def test_the_verdict_says_within_outside_or_that_the_measurement_cannot_tell():
     # 20 % relative: +60 % is within target of +50 to +75 %, so of every overhead in +52 to +70
     assert verdict(0.60, 0.52, 0.70) == "in" and verdict(0.60, 0.45, 0.70) == "noise"
     assert verdict(0.0, -0.02, 0.02) == "in" and verdict(0.0, 0.035, 0.05) == "out"
+
+
+def test_the_report_counts_rows_within_target_and_names_the_worst_against_its_tolerance():
+    """predict_suite's table (benchmarks/predict_report.py): the worst row is
+    the one furthest out against its own tolerance (3 points, or 20 % of a
+    large overhead), not the largest error in points; a failed row counts in
+    neither."""
+    from predict_report import Row, table
+
+    rows = [Row("a", "compute", "mid", predicted=0.10, measured=0.08, measured_lo=0.07, measured_hi=0.09, kept=True,
+                bitwise=True),
+            # 8 points high on a +80 % overhead: within its 16-point tolerance, half of it
+            Row("b", "dispatch", "least", predicted=0.88, measured=0.80, kept=True, bitwise=True),
+            # 3.5 points high on +5 %: outside its 3 points, the worst
+            Row("c", "compute", "least", predicted=0.085, measured=0.05, measured_lo=0.045, measured_hi=0.052,
+                kept=True, bitwise=False),
+            Row("d", "compute", "-", note="failed: RuntimeError")]
+    text = table(rows)
+    assert "2 of 3 rows within target; worst (against its tolerance): c, compute, least" in text
+    assert "(+3.5 points)" in text and "every step bitwise: NO" in text and "Every plan kept its budget: yes" in text
+    assert "1 of 2 predictions within target of every overhead in it, 1 of none (c compute least)" in text
