@@ -105,7 +105,7 @@ def fit_extras(small: dict, large: dict, stats, small_bytes: float, large_bytes:
     the small figure on every op plus its :func:`extra_us` gives the large
     model's measured total."""
     tl = stats.timeline
-    shares = [share(b, small_bytes, large_bytes) * b / MIB for b in tl.made_bytes]  # MiB weighted
+    shares = [machinery_us(b, small_bytes, large_bytes, 1.0) for b in tl.made_bytes]  # MiB weighted, capped
     forward = [s for s, ph in zip(shares, tl.phases) if ph != "backward"]
     backward = [s for s, ph in zip(shares, tl.phases) if ph == "backward"]
 
