@@ -25,9 +25,12 @@ SIZED = HostCosts(op_us=10.0, untimed_op_us=2.0, backward_untimed_us=1.0, select
 
 
 def test_a_large_op_pays_per_mib_it_makes_by_its_share_between_the_calibrated_sizes():
+    """Up to the large calibration's typical op; beyond it, what that op pays
+    (measured in place, transformers Phi's 2 MiB elementwise ops ran 10-164 us
+    over their kernels alone, where 2 MiB at the per-MiB figure priced 321 us)."""
     assert SIZED.op_ms(1.0, "cpu", timed=True, nbytes=SMALL) == pytest.approx(1.0 + 2.0 / 1e3)  # no more
     assert SIZED.op_ms(1.0, "cpu", timed=True, nbytes=LARGE) == pytest.approx(1.0 + (2.0 + 80.0) / 1e3)
-    assert SIZED.op_ms(1.0, "cpu", timed=True, nbytes=4 * LARGE) == pytest.approx(1.0 + (2.0 + 320.0) / 1e3)
+    assert SIZED.op_ms(1.0, "cpu", timed=True, nbytes=4 * LARGE) == pytest.approx(1.0 + (2.0 + 80.0) / 1e3)
     mid = 256 << 10  # share log(8) / log(32) = 0.6 of 80 us per MiB, on a quarter MiB
     assert SIZED.op_ms(1.0, "cpu", timed=True, nbytes=mid) == pytest.approx(1.0 + (2.0 + 0.6 * 80 / 4) / 1e3)
     assert SIZED.op_ms(1.0, "cpu", timed=True, backward=True, nbytes=LARGE) == pytest.approx(1.0 + 41.0 / 1e3)
@@ -72,8 +75,8 @@ def _selective_mechanisms(host: HostCosts, device_type: str):
 def test_the_machinery_pays_for_an_op_no_more_than_for_the_large_calibrations_op():
     """An op's kernel evicts the caches the machinery's Python work runs in;
     more bytes do not evict more: a 4 MiB op adds to the checkpointing
-    machinery what a 1 MiB one does (the host's op time, memory traffic,
-    still grows with it), below the large size as the op's own figures do."""
+    machinery what a 1 MiB one does, below the large size as the op's own
+    figures do (which are capped alike)."""
     host = replace(SIZED, checkpoint_us_per_mib=30.0)
     assert machinery_us(4 * LARGE, SMALL, LARGE, 30.0) == machinery_us(LARGE, SMALL, LARGE, 30.0) == 30.0
     assert machinery_us(256 << 10, SMALL, LARGE, 30.0) == extra_us(256 << 10, SMALL, LARGE, 30.0) > 0
@@ -83,7 +86,7 @@ def test_the_machinery_pays_for_an_op_no_more_than_for_the_large_calibrations_op
     selective = host.checkpoint_ms(0, 8, selective=True)
     assert host.checkpoint_ms(0, 8, selective=True, op_bytes=[4 * LARGE] * 8) == pytest.approx(
         selective + 8 * (30.0 + 2 * 20.0) / 1e3)
-    assert host.op_ms(1.0, "cpu", timed=True, nbytes=4 * LARGE) > host.op_ms(1.0, "cpu", timed=True, nbytes=LARGE)
+    assert host.op_ms(1.0, "cpu", timed=True, nbytes=4 * LARGE) == host.op_ms(1.0, "cpu", timed=True, nbytes=LARGE)
 
 
 def _with_and_without(sized: HostCosts, without: HostCosts):
@@ -196,7 +199,6 @@ def test_the_size_figure_is_what_a_call_measured_beyond_its_price_per_weighted_m
     assert not size.checkpoint_us_per_mib(figures).steady
 
 
-
 def test_the_selective_size_figure_is_what_its_per_op_work_measured_beyond_the_small_figure(monkeypatch):
     """selective_us_per_mib's arithmetic: selective regions measured against
     whole ones, plus the cached op's price (which the whole replay runs and
@@ -265,8 +267,8 @@ def test_the_fitted_extras_price_the_large_calibration_model_as_measured():
     tl = stats.timeline
     fw = [m for m, ph in zip(tl.made_bytes, tl.phases) if ph != "backward"]
     bw = [m for m, ph in zip(tl.made_bytes, tl.phases) if ph == "backward"]
-    priced_fw = sum(3.0 + extra_us(m, small_bytes, large_bytes, got["untimed_us_per_mib"]) for m in fw)
-    priced_bw = sum(1.5 + extra_us(m, small_bytes, large_bytes, got["backward_untimed_us_per_mib"]) for m in bw)
+    priced_fw = sum(3.0 + machinery_us(m, small_bytes, large_bytes, got["untimed_us_per_mib"]) for m in fw)
+    priced_bw = sum(1.5 + machinery_us(m, small_bytes, large_bytes, got["backward_untimed_us_per_mib"]) for m in bw)
     assert priced_fw == pytest.approx(30.0 * len(fw), rel=1e-3)
     assert priced_bw == pytest.approx(12.0 * len(bw), rel=1e-3)
     assert got["untimed_us_per_mib"] > 0 and MIB == 1 << 20
