@@ -17,12 +17,12 @@ makes nothing: AdamW's foreach ops pay for what they read cold instead,
 :mod:`autosac.core.coldread`).  An op
 between the two sizes pays a share of that, by the logarithm of its bytes
 (:func:`share`); ops no larger than the small calibration's pay nothing
-more.  The op figures are fitted so that the large calibration model is
-priced what it measured (:func:`fit_extras`); the checkpointing machinery's
-(``checkpoint_us_per_mib``, ``selective_us_per_mib``) are measured with
-regions side by side in one step (:mod:`autosac.tools.calibration_size`)
-and weigh an op no more than the large calibration's typical one
-(:func:`machinery_us`).
+more, ops larger than the large calibration's typical op what that one
+does (:func:`machinery_us`).  The op figures are fitted so that the large
+calibration model is priced what it measured (:func:`fit_extras`); the
+checkpointing machinery's (``checkpoint_us_per_mib``,
+``selective_us_per_mib``) are measured with regions side by side in one
+step (:mod:`autosac.tools.calibration_size`).
 """
 
 from __future__ import annotations
@@ -49,17 +49,19 @@ def extra_us(nbytes: float, small: float, large: float, us_per_mib: float) -> fl
 
 
 def machinery_us(nbytes: float, small: float, large: float, us_per_mib: float) -> float:
-    """What an op making ``nbytes`` adds to the checkpointing machinery's
-    per-op and per-call figures: as :func:`extra_us`, but an op larger than
-    the large calibration's typical op (``large``) adds what that one does.
-    The machinery is Python and autograd work run after the op's kernel, cold
-    once the kernel has evicted the caches: more bytes do not make it colder.
-    Priced per MiB without that cap, a selective region around transformers
-    GPT-2's tanh GELU (eight elementwise ops making 2 MiB each at width 256)
-    came to 5.2 ms of machinery, where the ViTs' regions around an exact GELU
-    (one op) were priced 1.8 ms; and a width-4096 model's 64 MiB ops would pay
-    64 times the calibrated figure each.  (predict_suite read 78 of 82 rows
-    within target both before and after the cap: docs/benchmarks.md.)"""
+    """What an op making ``nbytes`` adds to a per-op host figure or to the
+    checkpointing machinery's per-call one: as :func:`extra_us`, but an op
+    larger than the large calibration's typical op (``large``) adds what that
+    one does.  The extra is Python, dispatcher and autograd work run after the
+    op's kernel, cold once the kernel has evicted the caches: more bytes do
+    not make it colder.  Priced per MiB without that cap, a selective region
+    around transformers GPT-2's tanh GELU (eight elementwise ops making 2 MiB
+    each at width 256) came to 5.2 ms of machinery, where the ViTs' regions
+    around an exact GELU (one op) were priced 1.8 ms; transformers Phi's MLP
+    forward was priced 14.2 ms and ran 9.9 (its 2 MiB elementwise ops 10-164
+    us over their kernels alone, priced 321 us each); and a width-4096
+    model's 64 MiB ops would pay 64 times the calibrated figure each
+    (docs/benchmarks.md)."""
     return extra_us(min(nbytes, large), small, large, us_per_mib)
 
 

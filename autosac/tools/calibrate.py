@@ -34,7 +34,8 @@ own, whatever the kernels cost:
 * ``untimed_us_per_mib``, ``backward_untimed_us_per_mib`` (with
   ``small_op_bytes`` and ``large_op_bytes``): where the kernels run on this
   CPU, what an op making large data adds to ``untimed_op_us`` and
-  ``backward_untimed_us`` per MiB it makes (:mod:`autosac.core.hostsize`).
+  ``backward_untimed_us`` per MiB it makes, up to the large calibration's
+  typical op (:mod:`autosac.core.hostsize`).
 * ``checkpoint_us_per_mib``, ``selective_us_per_mib``: where the kernels run
   on this CPU, what a checkpointed call's machinery, and a selective call's
   per-op work, cost more per MiB its forward's ops make: their Python runs
