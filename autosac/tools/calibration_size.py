@@ -30,9 +30,11 @@ rest) side by side with regions checkpointed whole.  Step against step (the
 large calibration model checkpointed selectively against it checkpointed
 whole, the cached op's traced time added back) it read 115-276 us per MiB
 over calibrations here, and flipped width-256 plans between selective and
-plain; in place it read -15 to +12 (32 rounds, five times): at the large
-size a selective call's per-op work costs what the small calibration's
-``selective_op_us`` says.
+plain; in place it read -15 to +12 in a quiet moment (32 rounds, five
+times: at the large size a selective call's per-op work cost what the small
+calibration's ``selective_op_us`` says) and 0-200 in a busier one (8-32
+rounds, its even and odd rounds apart, so flagged): noisy still, but no
+longer biased by a large kernel's time added back.
 """
 
 from __future__ import annotations
