@@ -89,13 +89,9 @@ class HostCosts:
     checkpoint_us_per_mib: float = 0.0
 
     def size_us(self, nbytes: float, us_per_mib: float) -> float:
-        """What an op making ``nbytes`` adds to a per-op figure: no more than the
-        large calibration's typical op (:func:`autosac.core.hostsize.machinery_us`)."""
-        return self.machinery_us(nbytes, us_per_mib)
-
-    def machinery_us(self, nbytes: float, us_per_mib: float) -> float:
-        """What an op making ``nbytes`` adds to a checkpointing machinery figure
-        (:func:`autosac.core.hostsize.machinery_us`: no more than the large calibration's typical op)."""
+        """What an op making ``nbytes`` adds to a per-op figure or to the
+        checkpointing machinery's per-call one, at ``us_per_mib``: no more than
+        the large calibration's typical op (:func:`autosac.core.hostsize.machinery_us`)."""
         from autosac.core.hostsize import machinery_us
 
         return machinery_us(nbytes, self.small_op_bytes, self.large_op_bytes, us_per_mib)
@@ -131,10 +127,10 @@ class HostCosts:
         us = self.checkpoint_call_us + saved_tensors * self.saved_tensor_us + self.gap_us(roots)
         us += state_items * self.state_item_us
         if self.checkpoint_us_per_mib:
-            us += sum(self.machinery_us(b, self.checkpoint_us_per_mib) for b in op_bytes)
+            us += sum(self.size_us(b, self.checkpoint_us_per_mib) for b in op_bytes)
         if selective:
             us += 2 * ops * self.selective_op_us
-            us += 2 * sum(self.machinery_us(b, self.selective_us_per_mib) for b in op_bytes)
+            us += 2 * sum(self.size_us(b, self.selective_us_per_mib) for b in op_bytes)
         return us / 1e3
 
     def gap_us(self, roots: float) -> float:
