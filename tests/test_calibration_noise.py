@@ -506,7 +506,7 @@ def test_a_noisy_measurement_keeps_the_clean_figures_measured_before(fresh, monk
 def test_the_calibration_is_noisy_where_other_processes_took_its_threads_cores(fresh, monkeypatch):
     monkeypatch.setattr(host, "others_meter", lambda: lambda: 1.0)  # another process kept a core busy
     # the figures measured apart from the rounds are not what this checks (38 s of a suite on 2 threads)
-    monkeypatch.setattr(host, "_call_gap_us", lambda setup, x: 10.0)
+    monkeypatch.setattr(host, "_apart_figures", lambda models, x: {"call_gap_us": 10.0, "state_item_us": 0.2})
     monkeypatch.setattr(host, "_cold_read_us_per_mib", lambda small, large: 40.0)
     monkeypatch.setattr(host, "checkpoint_us_per_mib", lambda figures: SizeFigure(50.0, 1.0))
     monkeypatch.setattr(host, "selective_us_per_mib", lambda figures: SizeFigure(20.0, 1.0))
@@ -598,3 +598,30 @@ def test_the_large_models_kernels_are_timed_in_each_round_beside_its_steps():
     fig = host._figures(setup, {"none": fw_ms + 2.0, "whole": 0.0, "twice": 0.0}, forwards)
     ops = sum(1 for phase in tl.phases if phase != "backward")
     assert fig["untimed_op_us"] == pytest.approx(1e3 / ops)
+
+
+def test_the_figures_timed_apart_take_one_sample_each_per_round_and_their_medians(monkeypatch):
+    # on this VM the same work ran at two speeds switching every few seconds: a figure timed in one
+    # burst read one of them (state_item_us 0.24-0.42 us over five calibrations); one sample of each
+    # per round, the medians, put both figures in the same mix of moments
+    order = []
+    gaps = iter([999.0, 100.0, 300.0, 200.0, 5000.0])  # the warm-up's first, then one a round
+    bursts = iter([9.0, 0.5, 0.1, 0.3, 0.2])
+
+    def gap_round(setup, x):
+        def one():
+            order.append("gap")
+            return next(gaps)
+        return one
+
+    def burst(region, x):
+        order.append("state")
+        return next(bursts)
+
+    monkeypatch.setattr(host, "_call_gap_round", gap_round)
+    monkeypatch.setattr(host, "_state_burst_us", burst)
+    region = nn.Linear(2, 2)
+    models = {"tiny": {"gap_roots": 10.0}, "deep": {"variants": {"twice": [type("R", (), {"region": region})()]}}}
+    got = host._apart_figures(models, torch.zeros(1), rounds=4)
+    assert order == ["gap", "state"] * 5  # interleaved, the warm-up's pair not counted
+    assert got == {"call_gap_us": 25.0, "state_item_us": 0.25}  # medians of (100, 300, 200, 5000) / 10, (.5, .1, .3, .2)

@@ -59,7 +59,7 @@ own, whatever the kernels cost:
   ``checkpoint_call_us`` and ``saved_tensor_us`` are a call's with no gap.
 * ``state_item_us``: each container and entry of Python state a
   checkpointed call captures, swaps in for its replay and puts back
-  (:mod:`autosac.core.pystate`; :func:`_state_item_us`): a transformers
+  (:mod:`autosac.core.pystate`; :func:`_state_burst_us`): a transformers
   block's attributes and config cost more than a small block's.
 
 :func:`calibrate` measures them on this machine with a micro-benchmark
@@ -315,8 +315,7 @@ def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, r
     busy, threads = others(), torch.get_num_threads()
     if contended(threads, busy):
         reasons.append(f"other processes kept {busy:.1f} of {os.cpu_count()} cores busy beside {threads} torch threads")
-    figures = {**got.figures, "call_gap_us": _call_gap_us(models["tiny"], inputs[("shallow", "none")])}
-    figures["state_item_us"] = _state_item_us(models["deep"], inputs[("shallow", "none")])
+    figures = {**got.figures, **_apart_figures(models, inputs[("shallow", "none")])}
     figures = _without_gaps(figures, models)
     if figures.get("large_op_bytes"):
         figures["cold_read_us_per_mib"] = _cold_read_us_per_mib(figures["small_op_bytes"], figures["large_op_bytes"])
@@ -362,17 +361,39 @@ def _benchmark(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32)
     return models, variants, inputs
 
 
-def _call_gap_us(setup: dict, x: torch.Tensor, rounds: int = 40) -> float:
-    """``call_gap_us`` (:meth:`HostCosts.gap_us`): in the tiny calibration
-    model (``setup``: 24 small regions, each followed by a transformer
-    block), what its middle region checkpointed alone costs beyond each call
-    of all of them checkpointed, each set against its forward run twice (the
-    median of each round's difference), per square root of the op calls that
-    run between the machinery's runs (:func:`autosac.core.host.gap_roots`):
-    one call alone finds it colder.  Measured here: 9-19 us per root, 4 s
-    (the shallow model's six blocks, 32 roots apart against the tiny model's
-    65, read 2.5-8.6 us).  The figure used: the main rounds' own estimate of
-    it (:func:`_gap_us`, 12 rounds) checks it for noise, but beside a busy
+def _apart_figures(models: dict, x: torch.Tensor, rounds: int = 40) -> dict[str, float]:
+    """``call_gap_us`` (:func:`_call_gap_round`) and ``state_item_us``
+    (:func:`_state_burst_us`), measured apart from the main rounds but in
+    rounds of their own, one sample of each per round: on this VM the same
+    work ran at two speeds, 1.6-2x apart, switching every few seconds (a
+    Python loop 2.5-5.5 ms, a small model's step 4.3-11 ms over three
+    minutes, ``benchmarks/machine_drift.py``), so a figure timed in one
+    burst of a second read one speed (``state_item_us`` 0.24-0.42 us over
+    five calibrations of one hour, the other figures as the main rounds'
+    mix); spread over the rounds, each is the median over the same mix."""
+    tiny, deep = models["tiny"], models["deep"]
+    gap = _call_gap_round(tiny, x)
+    region = deep["variants"]["twice"][0].region
+    gap(), _state_burst_us(region, x)  # warm-up
+    taken = [(gap(), _state_burst_us(region, x)) for _ in range(rounds)]
+    roots = tiny["gap_roots"]
+    extra = statistics.median(g for g, _ in taken)
+    return {"call_gap_us": round(max(0.0, extra / roots), 3) if roots > 0 else 0.0,
+            "state_item_us": round(statistics.median(s for _, s in taken), 4)}
+
+
+def _call_gap_round(setup: dict, x: torch.Tensor):
+    """One round of ``call_gap_us`` (:meth:`HostCosts.gap_us`), made for
+    ``setup``, the tiny calibration model (24 small regions, each followed
+    by a transformer block): each call returns what its middle region
+    checkpointed alone costs beyond each call of all of them checkpointed,
+    each set against its forward run twice, in us (:func:`_apart_figures`
+    divides the median by the square roots of op calls more that run between
+    the machinery's runs, :func:`autosac.core.host.gap_roots`: one call
+    alone finds it colder).  Measured here: 9-19 us per root (the shallow
+    model's six blocks, 32 roots apart against the tiny model's 65, read
+    2.5-8.6 us).  The figure used: the main rounds' own estimate of it
+    (:func:`_gap_us`, 12 rounds) checks it for noise, but beside a busy
     machine it read 29-38 us and left ``checkpoint_call_us`` 0."""
     import copy
 
@@ -386,37 +407,29 @@ def _call_gap_us(setup: dict, x: torch.Tensor, rounds: int = 40) -> float:
         variants[k].zero_grad(set_to_none=True)
         return (time.thread_time() - t) * 1e6
 
-    for k in variants:
-        step(k)
-    extra = []  # each round's own difference: the VM's drift moves a round's variants alike
-    for _ in range(rounds):
+    def one_round() -> float:  # each round's own difference: the VM's drift moves a round's variants alike
         t = {k: step(k) for k in variants}
-        extra.append((t["one"] - t["twice_one"]) - (t["all"] - t["twice_all"]) / blocks)
-    roots = setup["gap_roots"]
-    return round(max(0.0, statistics.median(extra) / roots), 3) if roots > 0 else 0.0
+        return (t["one"] - t["twice_one"]) - (t["all"] - t["twice_all"]) / blocks
+
+    return one_round
 
 
-def _state_item_us(setup: dict, x: torch.Tensor, repeats: int = 200, rounds: int = 5) -> float:
-    """``state_item_us``: what a checkpointed call's Python state costs per
-    item (:meth:`autosac.core.pystate.State.items`), timed on the region of a
-    calibration model (``setup``) -- captured at its forward, captured again
-    and swapped in for the replay, put back after: the median of ``rounds``
-    runs of ``repeats``.  Warm (back to back): the cold part is in the other
-    per-call figures."""
+def _state_burst_us(region, x: torch.Tensor, repeats: int = 25) -> float:
+    """``state_item_us`` in one burst: what a checkpointed call's Python state
+    costs per item (:meth:`autosac.core.pystate.State.items`), timed on a
+    calibration model's ``region`` -- captured at its forward, captured
+    again and swapped in for the replay, put back after -- ``repeats`` times
+    back to back (warm: the cold part is in the other per-call figures)."""
     from autosac.core.pystate import capture
 
-    region = setup["variants"]["twice"][0].region
     args: tuple = (x,)
-    times = []
-    for _ in range(rounds):
-        t = time.thread_time()
-        for _ in range(repeats):
-            state = capture(region, args, {})
-            after = state.recapture()
-            state.install()
-            after.install()
-        times.append((time.thread_time() - t) / repeats * 1e6)
-    return round(statistics.median(times) / max(1, state.items()), 4)
+    t = time.thread_time()
+    for _ in range(repeats):
+        state = capture(region, args, {})
+        after = state.recapture()
+        state.install()
+        after.install()
+    return (time.thread_time() - t) / repeats * 1e6 / max(1, state.items())
 
 
 # the most of the tiny model's each-of-all call its gap may take: more leaves no fixed cost, a split
