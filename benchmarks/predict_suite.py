@@ -480,7 +480,8 @@ def main(argv=None) -> int:
         ap.error(f"--regimes takes {', '.join(REGIMES)}")
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    print(f"host figures: {calibrate()}", file=sys.stderr)
+    figures = calibrate()
+    print(f"host figures: {figures}", file=sys.stderr)
     kept = "glibc's defaults" if a.glibc_returns else "glibc keeping freed memory (" + ", ".join(
         f"{k}={os.environ.get(k, '-')}" for k in GLIBC_KEEPS) + ")"
     rows: list[Row] = []
@@ -502,7 +503,8 @@ def main(argv=None) -> int:
     text = table(rows) + (f"\n\n({len(names)} models, {a.rounds or '24 and 16'} rounds{most}, "
                           f"{time.perf_counter() - started:.0f} s, "
                           f"{kept}{', bf16 autocast' if a.autocast else ''}"
-                          f"{', every model in one process' if a.one_process else ', each model in its own process'})")
+                          f"{', every model in one process' if a.one_process else ', each model in its own process'})"
+                          f"\n\nhost figures: {figures}")
     print(text)
     if a.out:
         Path(a.out).write_text(text + "\n")
