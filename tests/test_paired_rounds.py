@@ -77,3 +77,24 @@ def test_the_report_counts_rows_within_target_and_names_the_worst_against_its_to
     assert "2 of 3 rows within target; worst (against its tolerance): c, compute, least" in text
     assert "(+3.5 points)" in text and "every step bitwise: NO" in text and "Every plan kept its budget: yes" in text
     assert "1 of 2 predictions within target of every overhead in it, 1 of none (c compute least)" in text
+
+
+def test_a_runs_table_and_host_figures_read_back_as_printed(tmp_path):
+    """reprice_suite reads a predict_suite result file: its rows' predicted and
+    measured overheads, and the HostCosts printed at its foot, figure for figure."""
+    from predict_report import Row, table
+    from reprice_suite import parse_figures, read_run
+
+    from autosac.core.host import HostCosts
+
+    figures = HostCosts(op_us=11.86, checkpoint_call_us=165.49, call_gap_us=14.63, state_item_us=0.2574,
+                        backward_op_us=None, checkpoint_us_per_mib=150.252)
+    rows = [Row("mlp", "dispatch", "mid", 0.162, 0.205, measured_lo=0.189, measured_hi=0.223, kept=True, bitwise=True),
+            Row("hf-opt", "compute", "least", 0.131, 0.133, kept=True, bitwise=True)]
+    path = tmp_path / "run.md"
+    path.write_text(table(rows) + "\n\n(2 models)\n\nhost figures: " + str(figures) + "\n")
+    got, at_foot = read_run(path)
+    assert got == {("mlp", "dispatch", "mid"): (0.162, 0.205), ("hf-opt", "compute", "least"): (0.131, 0.133)}
+    assert parse_figures(at_foot) == figures
+    with pytest.raises(ValueError, match="not HostCosts"):
+        parse_figures("op_us=1.0")

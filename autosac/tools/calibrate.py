@@ -285,6 +285,19 @@ def remeasure(ops: bool = True) -> HostCosts:
     return calibrate(force=True)
 
 
+def measure_once() -> HostCosts:
+    """One calibration's figures, measured now: neither cached nor combined
+    with earlier calibrations (:func:`calibrate` does both).  For comparing
+    calibrations with each other (``benchmarks/reprice_suite.py``); a
+    plan uses :func:`calibrate`'s.  25-40 s on a 2-core machine.
+
+    Example::
+
+        >>> spread = [autosac.tools.calibrate.measure_once() for _ in range(3)]
+    """
+    return _measure().costs
+
+
 def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, rounds: int = 12,
              max_rounds: int = 48, deadline_s: float = 20.0) -> Measured:
     """This machine's figures (see :func:`calibrate`), measured until two
@@ -673,7 +686,7 @@ def _take_round(variants: dict, x: torch.Tensor, repeats: int = 1, kernels=None)
 _SAMPLES = {("tiny", "one"): 5, ("tiny", "twice_one"): 5}
 
 
-__all__ = ["HostCosts", "calibrate", "host_costs", "noisy_until", "remeasure"]
+__all__ = ["HostCosts", "calibrate", "host_costs", "measure_once", "noisy_until", "remeasure"]
 
 # a target that states no host figures is priced with this machine's: measured here, asked for by the data module
 register_calibration(calibrate)
