@@ -625,3 +625,17 @@ def test_the_figures_timed_apart_take_one_sample_each_per_round_and_their_median
     got = host._apart_figures(models, torch.zeros(1), rounds=4)
     assert order == ["gap", "state"] * 5  # interleaved, the warm-up's pair not counted
     assert got == {"call_gap_us": 25.0, "state_item_us": 0.25}  # medians of (100, 300, 200, 5000) / 10, (.5, .1, .3, .2)
+
+
+def test_each_rounds_figures_are_brought_to_the_rounds_typical_speed():
+    # this VM ran the same work at two speeds 1.6-2x apart: a round at the slow one read every
+    # time figure slow; scaled by the median round's time over its own, the rounds agree
+    per_round = [{"op_us": 10.0, "checkpoint_call_us": 200.0, "backward_untimed_us": -2.0, "large_op_bytes": 8e5},
+                 {"op_us": 16.0, "checkpoint_call_us": 320.0, "backward_untimed_us": -3.2, "large_op_bytes": 8e5},
+                 {"op_us": 10.0, "checkpoint_call_us": 200.0, "backward_untimed_us": -2.0, "large_op_bytes": 8e5}]
+    got = host._at_typical_speed(per_round, [100.0, 160.0, 100.0])
+    for f in got:
+        assert f["op_us"] == pytest.approx(10.0) and f["checkpoint_call_us"] == pytest.approx(200.0)
+        assert f["backward_untimed_us"] == pytest.approx(-2.0)
+        assert f["large_op_bytes"] == 8e5  # bytes are no time: as they are
+    assert host._round_ms({"a": [(1.0, 5.0), (1.0, 4.0)], ("large", "kernels"): [(3.0, 3.0)]}) == 7.0

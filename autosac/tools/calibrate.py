@@ -535,9 +535,28 @@ def _estimate(models: dict, taken: list[dict]) -> dict[str, float]:
     figures made of their differences moved by up to 2x between
     calibrations; a difference within one round, then the median, moved by
     about 5 %.  A median is also what a step costs as measured (medians of
-    steps), where the least is one lucky moment."""
-    per_round = [_round_figures(models, samples) for samples in taken]
+    steps), where the least is one lucky moment.  Each round's figures are
+    first brought to the rounds' typical speed (:func:`_at_typical_speed`)."""
+    per_round = _at_typical_speed([_round_figures(models, samples) for samples in taken],
+                                  [_round_ms(samples) for samples in taken])
     return {k: round(statistics.median(f[k] for f in per_round), 3) for k in per_round[0]}
+
+
+def _round_ms(samples: dict) -> float:
+    """A round's speed: the sum over its variants of each one's least step (ms)."""
+    return sum(min(s[1] for s in v) for v in samples.values())
+
+
+def _at_typical_speed(per_round: list[dict], round_ms: list[float]) -> list[dict]:
+    """Each round's time figures scaled by the rounds' median ``round_ms`` over
+    its own (byte figures as they are): this VM runs the same work at two
+    speeds 1.6-2x apart, switching every few seconds
+    (``benchmarks/machine_drift.py``), so a round is mostly at one of them,
+    and the figures' medians were a mix that moved between calibrations --
+    the figures of one calibration then no longer fit each other."""
+    typical = statistics.median(round_ms)
+    return [{k: v if k.endswith("_bytes") else v * typical / ms for k, v in f.items()}
+            for f, ms in zip(per_round, round_ms)]
 
 
 def _round_figures(models: dict, samples: dict) -> dict[str, float]:
