@@ -37,6 +37,7 @@ from pathlib import Path
 import predict_suite as ps
 import torch
 from paired_rounds import within
+from predict_suite_runs import read_rows
 
 import autosac  # noqa: E402  (predict_suite put tests/ on the path)
 from autosac.core.devices import DEVICES
@@ -47,16 +48,11 @@ from autosac.tools.calibrate import measure_once
 
 def read_run(path: Path) -> tuple[dict[tuple[str, str, str], tuple[float, float]], str | None]:
     """(model, regime, budget) -> (predicted, measured) overheads (fractions) of a
-    result file's table, and the ``HostCosts(...)`` at its foot (None: not there)."""
-    rows, figures = {}, None
-    for line in path.read_text().splitlines():
-        cells = [c.strip() for c in line.split("|")]
-        if len(cells) > 8 and cells[3] in ("mid", "least") and cells[4].endswith("%") and cells[5].endswith("%"):
-            rows[(cells[1], cells[2], cells[3])] = (float(cells[4][:-1]) / 100, float(cells[5][:-1]) / 100)
-        found = re.match(r"host figures: (HostCosts\(.*\))\s*$", line)
-        if found:
-            figures = found.group(1)
-    return rows, figures
+    result file's table (:func:`predict_suite_runs.read_rows`), and the
+    ``HostCosts(...)`` at its foot (None: not there)."""
+    rows = {k: (p / 100, m / 100) for k, (p, m, _) in read_rows(path).items()}
+    feet = re.findall(r"^host figures: (HostCosts\(.*\))\s*$", path.read_text(), flags=re.M)
+    return rows, feet[-1] if feet else None
 
 
 def parse_figures(text: str) -> HostCosts:
