@@ -162,43 +162,6 @@ def test_the_size_calibration_times_each_region_in_place_checkpointed_and_run_tw
     assert math.isfinite(one)
 
 
-def test_the_size_figure_is_what_a_call_measured_beyond_its_price_per_weighted_mib(monkeypatch):
-    """checkpoint_us_per_mib's arithmetic: a call measured at exactly the small
-    figures' price (its machinery, gaps and state; less what the replay skips
-    after its last saved tensor) plus K us per share-weighted MiB its
-    forward's ops make reads K; measured under its price, 0."""
-    from autosac.core.host import gap_roots
-    from autosac.core.hostsize import LARGE_BATCH, LARGE_SEQ, LARGE_WIDTH
-    from autosac.tools import calibration_size as size
-
-    figures = {"op_us": 10.0, "checkpoint_call_us": 150.0, "saved_tensor_us": 20.0, "call_gap_us": 15.0,
-               "state_item_us": 0.3, "small_op_bytes": 25_000.0, "large_op_bytes": 800_000.0}
-    torch.manual_seed(0)
-    copies, _, traced = size._copies(LARGE_WIDTH, LARGE_BATCH, LARGE_SEQ)  # as the figure's own call makes them
-    stats, fqn = traced["stats"], traced["fqn"]
-    m, tl = stats.modules[fqn], stats.timeline
-    (w0, w1), stop = m.fw_windows[0], m.replay_end()
-    points = {c.fqn: (c.window[0], c.end) for c in build_problem(stats).candidates}
-    roots = sum(gap_roots([p for n in ck for p in points[f"{n}.region"]], len(tl.ops)) / 2
-                for _, ck, _, _ in copies.values()) / 2
-    price_us = 150.0 + 20.0 * m.saved_tensors[0] + 15.0 * roots + 0.3 * m.state_items
-    skipped_us = sum(tl.ms[stop:w1]) * 1e3 + (w1 - stop - 1) * 10.0
-    mib = sum(machinery_us(b, 25_000.0, 800_000.0, 1.0) for b in tl.made_bytes[w0:w1])
-    assert mib > 1.0  # its ops are large: most of them past the large size
-    monkeypatch.setattr(size, "_copies", lambda *a: (copies, None, traced))
-    for k, expected in ((80.0, 80.0), (-30.0, 0.0)):
-        measured_ms = (price_us + k * mib - skipped_us) / 1e3  # what the side-by-side rounds would read
-        # rounds around it, their median that: even and odd rounds agree within 10 % of the call's machinery
-        rounds = [measured_ms - 0.01, measured_ms, measured_ms + 0.01, measured_ms]
-        monkeypatch.setattr(size, "_mechanism_ms", lambda copies, x, n, r=rounds: r)
-        got = size.checkpoint_us_per_mib(figures)
-        assert got.us_per_mib == pytest.approx(expected, abs=1e-3) and got.steady
-    machinery_ms = (price_us + 80.0 * mib) / 1e3
-    apart = [measured_ms, measured_ms + 0.2 * machinery_ms] * 2  # odd rounds 20 % of it above the even ones
-    monkeypatch.setattr(size, "_mechanism_ms", lambda copies, x, n: apart)
-    assert not size.checkpoint_us_per_mib(figures).steady
-
-
 def test_the_selective_size_figure_is_what_its_per_op_work_measured_beyond_the_small_figure(monkeypatch):
     """selective_us_per_mib's arithmetic: selective regions measured against
     whole ones, plus the cached op's price (which the whole replay runs and

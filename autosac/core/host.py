@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
-CACHE_KEY = "host-costs-v27"  # bump when the micro-benchmark changes (v12: a large size too, autosac.core.hostsize;
+CACHE_KEY = "host-costs-v28"  # bump when the micro-benchmark changes (v12: a large size too, autosac.core.hostsize;
 # v13: cold_read_us_per_mib, autosac.core.coldread; v14: cast_hook_us; v15: figures as medians of per-round figures;
 # v16: first_call_us; v17: call_gap_us in its place, checkpoint_call_us and saved_tensor_us at no gap;
 # state_item_us; v18: call_gap_us in the rounds, the models' op timings taken anew, medians over noisy calibrations;
@@ -25,7 +25,8 @@ CACHE_KEY = "host-costs-v27"  # bump when the micro-benchmark changes (v12: a la
 # v24: selective_us_per_mib measured in place, autosac.tools.calibration_size;
 # v25: the op figures' per-MiB extras capped as the machinery's, fitted so;
 # v26: state_item_us timed in bursts spread over call_gap_us's rounds, autosac.tools.calibrate._apart_figures;
-# v27: each round's figures brought to the rounds' typical speed, autosac.tools.calibrate._at_typical_speed)
+# v27: each round's figures brought to the rounds' typical speed, autosac.tools.calibrate._at_typical_speed;
+# v28: checkpoint_us_per_mib no longer measured, autosac.tools.calibration_size)
 _FIELDS = ("op_us", "checkpoint_call_us", "saved_tensor_us", "selective_op_us", "untimed_op_us", "backward_op_us",
            "backward_untimed_us", "small_op_bytes", "large_op_bytes", "untimed_us_per_mib", "backward_untimed_us_per_mib",
            "selective_us_per_mib", "cold_read_us_per_mib", "cast_hook_us", "cast_remake_us", "call_gap_us",
@@ -86,8 +87,8 @@ class HostCosts:
     # a small MLP block's 93)
     state_item_us: float = 0.0
     # CPU kernels: what a checkpointed call's machinery costs more per MiB its forward's ops make
-    # (weighted as the per-MiB figures above): it runs cache-cold after large kernels
-    # (autosac.tools.calibration_size; 0: none measured)
+    # (weighted as the per-MiB figures above): it runs cache-cold after large kernels; not measured
+    # since host-costs-v28, priced where stated (autosac.tools.calibration_size says why)
     checkpoint_us_per_mib: float = 0.0
 
     def size_us(self, nbytes: float, us_per_mib: float) -> float:

@@ -19,10 +19,10 @@ between the two sizes pays a share of that, by the logarithm of its bytes
 (:func:`share`); ops no larger than the small calibration's pay nothing
 more, ops larger than the large calibration's typical op what that one
 does (:func:`machinery_us`).  The op figures are fitted so that the large
-calibration model is priced what it measured (:func:`fit_extras`); the
-checkpointing machinery's (``checkpoint_us_per_mib``,
-``selective_us_per_mib``) are measured with regions side by side in one
-step (:mod:`autosac.tools.calibration_size`).
+calibration model is priced what it measured (:func:`fit_extras`); a
+selective call's (``selective_us_per_mib``) is measured with regions side
+by side in one step (:mod:`autosac.tools.calibration_size`), a plain call's
+(``checkpoint_us_per_mib``) only priced where stated.
 """
 
 from __future__ import annotations

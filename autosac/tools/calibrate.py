@@ -36,11 +36,13 @@ own, whatever the kernels cost:
   CPU, what an op making large data adds to ``untimed_op_us`` and
   ``backward_untimed_us`` per MiB it makes, up to the large calibration's
   typical op (:mod:`autosac.core.hostsize`).
-* ``checkpoint_us_per_mib``, ``selective_us_per_mib``: where the kernels run
-  on this CPU, what a checkpointed call's machinery, and a selective call's
-  per-op work, cost more per MiB its forward's ops make: their Python runs
-  cache-cold after large kernels; measured inside one step at the large
-  size, regions side by side (:mod:`autosac.tools.calibration_size`).
+* ``selective_us_per_mib``: where the kernels run on this CPU, what a
+  selective call's per-op work costs more per MiB its forward's ops make:
+  its Python runs cache-cold after large kernels; measured inside one step
+  at the large size, regions side by side (:mod:`autosac.tools.calibration_size`).
+  ``checkpoint_us_per_mib``, the same for a plain call's machinery, is no
+  longer measured (0; priced where a user states it): the calibration model's
+  figure did not carry over to real models (that module says how).
 * ``cold_read_us_per_mib``: where the kernels run on this CPU, what an
   optimizer's foreach op adds per MiB it reads that the foreach op before it
   did not touch (:mod:`autosac.core.coldread`).
@@ -117,7 +119,7 @@ from autosac.core.noise import (
 )
 from autosac.tools.calibration_history import median_costs, recalled, remember
 from autosac.tools.calibration_models import _Block, _calibration_models, _gap_roots, _large_models, _tiny, replay_skips
-from autosac.tools.calibration_size import checkpoint_us_per_mib, selective_us_per_mib
+from autosac.tools.calibration_size import selective_us_per_mib
 
 _CALIBRATED: HostCosts | None = None
 
@@ -332,9 +334,7 @@ def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, r
     figures = _without_gaps(figures, models)
     if figures.get("large_op_bytes"):
         figures["cold_read_us_per_mib"] = _cold_read_us_per_mib(figures["small_op_bytes"], figures["large_op_bytes"])
-        for name, measure in (("checkpoint_us_per_mib", checkpoint_us_per_mib),
-                              ("selective_us_per_mib", selective_us_per_mib)):
-            figures[name] = _size_figure(name, measure, figures, reasons)
+        figures["selective_us_per_mib"] = _size_figure("selective_us_per_mib", selective_us_per_mib, figures, reasons)
     return Measured(HostCosts(**figures), tuple(reasons), got.rounds)
 
 

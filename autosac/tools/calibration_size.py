@@ -1,30 +1,28 @@
-"""``checkpoint_us_per_mib``: what a checkpointed call's machinery costs more
-where its ops are large, measured within one step.
+"""``selective_us_per_mib``: what a selectively checkpointed call's per-op
+work costs more where its ops are large, measured within one step.
 
-On this 2-core VM a plain checkpoint of a residual MLP block cost 0.3 ms
-beyond its priced re-run and machinery at width 64, 0.6-1.0 ms at width 256
-(``benchmarks/predict_suite.py``'s compute-bound plans were predicted 4-10
-points low, every one of them): the machinery's Python -- the saved-tensor
-hooks, the frame, the replay's bookkeeping -- runs cache-cold after kernels
-that stream megabytes (inside a pass-through pack hook, 0.4 us at width 64
-against 2.6 us at 256).  The small calibration cannot see it, and the large
-one, timed step against step, could not: its checkpointed block against the
-same block run twice moved by -15 to +8.6 ms from one round to the next, on a
-1-2 ms effect.
+Timed step against step at the large size (:mod:`autosac.core.hostsize`),
+such a difference drowns: a checkpointed block against the same block run
+twice moved by -15 to +8.6 ms from one round to the next, on a 1-2 ms
+effect.  So this measures inside one step: four large regions, two of each
+kind, their kinds swapped from one model copy to the other; each region's
+forward and backward timed in place (thread time, its backward from its
+output's gradient to its input's).  Regions side by side see the same
+moment of the machine, so the drift that swamps step-to-step differences
+cancels (per round, the difference moved by about +-0.4 ms here).
 
-So this measures at the large size (:mod:`autosac.core.hostsize`) inside one
-step: four large regions, two checkpointed and two run twice, their kinds
-swapped from one model copy to the other; each region's forward and backward
-timed in place (thread time, its backward from its output's gradient to its
-input's).  Regions side by side see the same moment of the machine, so the
-drift that swamps step-to-step differences cancels (per round, the
-difference moved by about +-0.4 ms here).  The call's mechanism is the
-checkpointed region's time less the twice-run one's, plus what the replay
-skips after its last saved tensor; what it costs beyond the small figures'
-price of such a call, per MiB its forward's ops make (weighted as the other
-per-MiB figures: :func:`autosac.core.hostsize.share`), is the figure.
+Until host-costs-v28 a second figure, ``checkpoint_us_per_mib`` (a plain
+call's machinery per MiB its forward's ops make), was measured the same way,
+regions checkpointed whole beside regions run twice.  It read 111-128 us per
+MiB in four calibrations on a VM with a 260 MiB L3 cache where the
+benchmarks' real models showed none of it: re-priced without it, that VM's
+suite run went from 71 to 81 of 82 rows within target, its compute-bound
+plans from 2-10 points high to within 3 (the previous VM's run: 76 against
+75).  What the calibration model measured there did not carry over to other
+models, so it is no longer measured; :class:`~autosac.core.host.HostCosts`
+still prices it where a user states it.
 
-``selective_us_per_mib`` is measured the same way: regions checkpointed
+The selective regions are checkpointed
 selectively (caching their first op, a layer norm, and recomputing the
 rest) side by side with regions checkpointed whole.  Step against step (the
 large calibration model checkpointed selectively against it checkpointed
@@ -49,7 +47,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from autosac.tools.calibration_models import _Block, _gap_roots, _Layer, replay_skips
+from autosac.tools.calibration_models import _Block, _Layer
 
 _REGIONS = 4  # large regions in the model, half checkpointed in each copy
 
@@ -188,37 +186,6 @@ def _host(figures: dict):
     return HostCosts(**{k: v for k, v in figures.items() if k in HostCosts.__dataclass_fields__})
 
 
-def checkpoint_us_per_mib(figures: dict, rounds: int = 8) -> SizeFigure:
-    """``checkpoint_us_per_mib`` (see the module's docstring), never below 0,
-    and the timing thread's share of a core.  ``figures``: the small
-    calibration's (``checkpoint_call_us``, ``saved_tensor_us``,
-    ``call_gap_us``, ``state_item_us``, ``op_us``, ``small_op_bytes`` and
-    ``large_op_bytes``).  About 5 s on this 2-core machine.
-
-    Example::
-
-        >>> checkpoint_us_per_mib(calibrate().to_dict())
-        SizeFigure(us_per_mib=102.1, share=0.99, steady=True)
-    """
-    from autosac.core.noise import TOLERANCE
-
-    diff_us, halves_us, share, copies, traced = _measured(("whole", "twice"), rounds)
-    stats, fqn = traced["stats"], traced["fqn"]
-    m = stats.modules[fqn]
-    w0, w1 = m.fw_windows[0]
-    # what the replay skips and the twice-run region runs: its kernels, and its op calls at the host's op_us
-    kernels_ms, ops = replay_skips(stats, fqn)
-    measured_us = diff_us + (kernels_ms + ops * figures["op_us"] / 1e3) * 1e3
-    # the gaps the measured calls ran at: each copy's checkpointed regions, both copies alike
-    roots = statistics.mean(_gap_roots(traced, [f"{name}.region" for name in ckpt]) / len(ckpt)
-                            for _, ckpt, _, _ in copies.values())
-    priced_us = _host(figures).checkpoint_ms(m.saved_tensors[0], w1 - w0, selective=False, roots=roots,
-                                             state_items=m.state_items) * 1e3
-    mib = _weighted_mib(stats, fqn, figures)
-    rate = round(max(0.0, (measured_us - priced_us) / mib), 3) if mib > 0 else 0.0
-    return SizeFigure(rate, share, halves_us <= TOLERANCE * abs(measured_us))
-
-
 def selective_us_per_mib(figures: dict, rounds: int = 8) -> SizeFigure:
     """``selective_us_per_mib`` (see the module's docstring), never below 0: what
     a selectively checkpointed call's per-op work costs beyond the small
@@ -247,4 +214,4 @@ def selective_us_per_mib(figures: dict, rounds: int = 8) -> SizeFigure:
     return SizeFigure(rate, share, halves_us <= TOLERANCE * abs(measured_us))
 
 
-__all__ = ["SizeFigure", "checkpoint_us_per_mib", "selective_us_per_mib"]
+__all__ = ["SizeFigure", "selective_us_per_mib"]
