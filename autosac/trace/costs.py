@@ -10,6 +10,7 @@ inputs may be indices or workspaces, use a CPU roofline calibrated once.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache, lru_cache
 
 import torch
@@ -275,6 +276,8 @@ class CostModel:
         self.cpu_size_cap_bytes = cpu_size_cap_bytes
         self.unknown_ops: set[str] = set()
         self._timings = TimingCache() if spec.measured else None
+        # ops timed for the first time by this cost model: key -> (op, its arguments' shapes, roofline ms)
+        self.first_timed: dict[str, tuple] = {}
         # an optimizer's foreach ops read lists the step let go cold (autosac.core.coldread)
         self._cold = ColdReads()
 
@@ -330,20 +333,62 @@ class CostModel:
         roofline = self.roofline_ms(flops, nbytes, _compute_dtype(args), local_cpu_spec())
         if nbytes > self.cpu_size_cap_bytes:
             return roofline
-
-        def time_op() -> tuple[float, bool]:
-            try:
-                return _time_real(func, args, kwargs)
-            except Exception:  # noqa: BLE001 - data-dependent ops can fail on random data
-                return roofline, False
-
+        key = timing_key(func, args, kwargs)
+        if key not in self.first_timed and self._timings.get(key) is None:  # timed now, for the first time
+            self.first_timed[key] = (func, tree_map(_Shape.of, (args, kwargs)), roofline)
         # cached, else timed now; a cached outlier (timed while another process ran) again
-        return self._timings.timed(timing_key(func, args, kwargs), time_op, roofline)
+        return self._timings.timed(key, _timer(func, args, kwargs, roofline), roofline)
+
+    def confirm_timings(self) -> bool:
+        """Time each op this cost model timed first (``target="cpu"``) once
+        more, now -- after the rest of the trace, seconds later -- and keep the
+        new timing where it is below the first by more than
+        :data:`autosac.trace.timings.CONFIRM_RATIO`
+        (:meth:`autosac.trace.timings.TimingCache.lower`; the next process still
+        confirms each as before).  On a 2-core VM whose speed drifts, 130 of
+        2,437 first timings (5 %) in a suite run were 1.5-20x what the next
+        process timed (a ``bmm`` of 10 us at 508 us: a step predicted 29.9 ms,
+        measured 13.9).  Returns whether any timing changed: the trace's
+        times are then taken again (:func:`autosac.profile`)."""
+        changed = False
+        for key, (func, shapes, roofline) in self.first_timed.items():
+            args, kwargs = tree_map(_Shape.meta, shapes)
+            changed |= self._timings.lower(key, *_timer(func, args, kwargs, roofline)())
+        self.first_timed.clear()
+        return changed
 
     def finish(self) -> None:
         """Keep this profile's new timings for the next one (``target="cpu"``)."""
         if self._timings is not None:
             self._timings.save()
+
+
+def _timer(func, args, kwargs, roofline: float):
+    """``() -> (ms, noisy)``: the op timed on real tensors like ``args`` (the roofline where it fails)."""
+    def time_op() -> tuple[float, bool]:
+        try:
+            return _time_real(func, args, kwargs)
+        except Exception:  # noqa: BLE001 - data-dependent ops can fail on random data
+            return roofline, False
+    return time_op
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """A tensor argument's layout, kept without the tensor (a fake tensor held
+    past its last use would keep its storage alive in the trace)."""
+
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(x):
+        return _Shape(tuple(x.shape), tuple(x.stride()), x.dtype) if isinstance(x, torch.Tensor) else x
+
+    @staticmethod
+    def meta(x):
+        return torch.empty_strided(x.shape, x.stride, dtype=x.dtype, device="meta") if isinstance(x, _Shape) else x
 
 
 def timing_key(func, args, kwargs) -> str:

@@ -18,7 +18,11 @@ On a busy machine (:mod:`autosac.core.noise`): an op timed while its samples did
 not settle is kept :data:`autosac.core.noise.NOISY_LIFETIME_S` seconds (marked
 ``<key>#noisy_until``), then timed again; a cached timing far above what the CPU roofline predicts for
 its FLOPs and bytes (:func:`is_outlier`: another process ran while it was
-timed) is timed again once, and the lesser kept.  A timing another process
+timed) is timed again once, and the lesser kept.  An op a profile times
+for the first time is timed once more after its trace, the second timing
+kept where it is below the first by more than :data:`CONFIRM_RATIO` (the
+step then traced again: :meth:`autosac.trace.costs.CostModel.confirm_timings`).
+A timing another process
 took is confirmed once: the first process to use it after times the op again
 and keeps the cached timing where the two agree within
 :data:`CONFIRM_RATIO` (marked ``<key>#checked``: never timed again), the lesser
@@ -184,6 +188,16 @@ class TimingCache:
             self.put(key, fresh, bool(noisy))
             return fresh
         return ms
+
+    def lower(self, key: str, ms: float, noisy: bool) -> bool:
+        """Keep ``ms``, a timing of ``key`` taken again, where it is below the
+        kept one by more than :data:`CONFIRM_RATIO` (marked ``noisy`` or not;
+        never checked: the next process confirms it as any other); whether it was kept."""
+        kept = self.get(key)
+        if kept is None or ms * CONFIRM_RATIO >= kept:
+            return False
+        self.put(key, ms, noisy)
+        return True
 
     def refresh(self, prefix: str) -> None:
         """Take the entries under keys starting with ``prefix`` as they are on
