@@ -139,8 +139,7 @@ def _mechanism_ms(copies: dict, x: torch.Tensor, rounds: int) -> list[float]:
 
 
 class SizeFigure(NamedTuple):
-    """What :func:`checkpoint_us_per_mib` or :func:`selective_us_per_mib`
-    measured: the figure, the share of a core its thread had while timing
+    """What :func:`selective_us_per_mib` measured: the figure, the share of a core its thread had while timing
     (below :data:`autosac.core.noise.MIN_SHARE`: measured beside other work),
     and whether the medians of its even and its odd rounds agree within
     :data:`autosac.core.noise.TOLERANCE` of the call's measured cost (on a

@@ -171,10 +171,12 @@ def profile(
                 cost.finish()
 
         cost = CostModel(spec)
-        step = traced(cost)
+        with generators_kept():  # a trace taken again starts from the same random state
+            step = traced(cost)
         changed = cost.confirm_timings()  # each op first timed now, timed once more
         cost.finish()
         if changed:  # one was first timed in a slow moment of the machine: the step's times taken again
+            del step
             cost = CostModel(spec)
             step = traced(cost)
     _say_unknown_ops(step.recording.unknown_ops)

@@ -85,6 +85,11 @@ def retimed():
         _RETIMING.pop()
 
 
+def retiming() -> bool:
+    """Whether this runs inside :func:`retimed` (each op timed there is kept as measured)."""
+    return bool(_RETIMING)
+
+
 def is_outlier(ms: float, expected_ms: float) -> bool:
     """Whether a timing is far above what its op's FLOPs and bytes predict
     (``expected_ms``, the CPU roofline), further than any clean timing was."""
