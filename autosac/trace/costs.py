@@ -276,7 +276,7 @@ class CostModel:
         self.cpu_size_cap_bytes = cpu_size_cap_bytes
         self.unknown_ops: set[str] = set()
         self._timings = TimingCache() if spec.measured else None
-        # ops timed for the first time by this cost model: key -> (op, its arguments' shapes, roofline ms)
+        # ops timed for the first time by this cost model: key -> (op, its arguments' shapes)
         self.first_timed: dict[str, tuple] = {}
         # an optimizer's foreach ops read lists the step let go cold (autosac.core.coldread)
         self._cold = ColdReads()
@@ -333,12 +333,19 @@ class CostModel:
         roofline = self.roofline_ms(flops, nbytes, _compute_dtype(args), local_cpu_spec())
         if nbytes > self.cpu_size_cap_bytes:
             return roofline
+
+        def time_op() -> tuple[float, bool]:
+            try:
+                return _time_real(func, args, kwargs)
+            except Exception:  # noqa: BLE001 - data-dependent ops can fail on random data
+                return roofline, False
+
         key = timing_key(func, args, kwargs)
         # timed now, for the first time (inside retimed() each timing is kept as measured)
         if key not in self.first_timed and self._timings.get(key) is None and not retiming():
-            self.first_timed[key] = (func, tree_map(_Shape.of, (args, kwargs)), roofline)
+            self.first_timed[key] = (func, tree_map(_Shape.of, (args, kwargs)))
         # cached, else timed now; a cached outlier (timed while another process ran) again
-        return self._timings.timed(key, _timer(func, args, kwargs, roofline), roofline)
+        return self._timings.timed(key, time_op, roofline)
 
     def confirm_timings(self) -> bool:
         """Time each op this cost model timed first (``target="cpu"``) once
@@ -352,7 +359,7 @@ class CostModel:
         measured 13.9).  Returns whether any timing changed: the trace's
         times are then taken again (:func:`autosac.profile`)."""
         changed = False
-        for key, (func, shapes, _) in self.first_timed.items():
+        for key, (func, shapes) in self.first_timed.items():
             try:
                 ms, noisy = _time_real(func, *tree_map(_Shape.meta, shapes))
             except Exception:  # noqa: BLE001 - as the first timing: it stands (a roofline is no second timing)
@@ -365,16 +372,6 @@ class CostModel:
         """Keep this profile's new timings for the next one (``target="cpu"``)."""
         if self._timings is not None:
             self._timings.save()
-
-
-def _timer(func, args, kwargs, roofline: float):
-    """``() -> (ms, noisy)``: the op timed on real tensors like ``args`` (the roofline where it fails)."""
-    def time_op() -> tuple[float, bool]:
-        try:
-            return _time_real(func, args, kwargs)
-        except Exception:  # noqa: BLE001 - data-dependent ops can fail on random data
-            return roofline, False
-    return time_op
 
 
 @dataclass(frozen=True)
