@@ -632,24 +632,42 @@ def test_a_lone_call_measured_beyond_its_calls_sum_is_capped(fresh):
 
 
 def test_the_large_models_kernels_are_timed_in_each_round_beside_its_steps():
-    """The large calibration's host time per op is its forward measured less
-    its ops' kernels timed alone: those are the trace's forward ops, one for
-    one, timed again in the round (not once before the rounds, a moment of
-    another speed on a drifting VM), and the round's figure is made of them."""
+    """The large calibration's host time per op is each phase measured less
+    its ops' kernels timed alone: those are the trace's forward and backward
+    ops, one for one, timed again in the round (not once before the rounds, a
+    moment of another speed on a drifting VM), and the round's figures are
+    made of them."""
     from autosac.tools.calibration_models import _large_models
 
     setup, x = _large_models()
     tl = setup["stats"].timeline
-    traced = [op for op, phase, view in zip(tl.ops, tl.phases, tl.views) if phase != "backward" and not view]
-    assert [func.overloadpacket.__name__ for func, _, _ in setup["kernels"].calls] == traced
-    samples, _ = host._take_round({("large", "none"): setup["variants"]["none"]}, x, kernels=setup["kernels"])
+    kernels = setup["kernels"]
+    for phase_calls, backward in ((kernels.forward, False), (kernels.backward, True)):
+        traced = [op for op, phase, view in zip(tl.ops, tl.phases, tl.views)
+                  if (phase == "backward") == backward and not view]
+        # each call timed, or (no inputs can be made for it: an expanded gradient) priced as traced
+        assert len(phase_calls) <= len(traced) and len(phase_calls) > 0.9 * len(traced)
+    assert kernels.forward_fixed_ms == 0.0
+    samples, _ = host._take_round({("large", "none"): setup["variants"]["none"]}, x, kernels=kernels)
     (fw_ms, _), = samples[("large", "none")]
-    (kernels_ms, _), = samples[("large", "kernels")]
-    assert kernels_ms > 0
+    (kernels_fw, kernels_step), = samples[("large", "kernels")]
+    assert 0 < kernels_fw < kernels_step
     forwards = {"none": fw_ms + 1.0, "kernels": fw_ms}  # the forward 1 ms longer than its kernels this round
-    fig = host._figures(setup, {"none": fw_ms + 2.0, "whole": 0.0, "twice": 0.0}, forwards)
+    # the backward 2 ms longer than its kernels this round
+    times = {"none": fw_ms + 1.0 + 5.0, "kernels": fw_ms + 3.0, "whole": 0.0, "twice": 0.0}
+    fig = host._figures(setup, times, forwards)
     ops = sum(1 for phase in tl.phases if phase != "backward")
+    backward_ops = len(tl.phases) - ops
     assert fig["untimed_op_us"] == pytest.approx(1e3 / ops)
+    assert fig["backward_untimed_us"] == pytest.approx(2e3 / backward_ops)
+
+
+def test_a_calibration_models_kernels_must_be_its_traced_ops():
+    from autosac.tools.calibration_models import StepKernels, _large_models
+
+    setup, x = _large_models()
+    with pytest.raises(RuntimeError, match="other ops than its trace"):
+        StepKernels(nn.Sequential(nn.Linear(x.shape[-1], 3)), x, setup["stats"])
 
 
 def test_the_figures_timed_apart_take_one_sample_each_per_round_and_their_medians(monkeypatch):

@@ -309,9 +309,11 @@ def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, r
     same minute (cached ones from an hour before, on this VM, gave
     ``untimed_us_per_mib`` 110-481 where timings taken anew gave 0-179), and
     the large model's, whose step is mostly kernels, are timed again in each
-    round (:class:`~autosac.tools.calibration_models.ForwardKernels`): over
+    round (:class:`~autosac.tools.calibration_models.StepKernels`): over
     seven calibrations each, ``untimed_us_per_mib`` read 158-305 (six of
-    them 158-250) against 0-254 with the timings taken before the rounds."""
+    them 158-250) against 0-254 with the timings taken before the rounds;
+    the backward's, timed before the rounds, left ``backward_untimed_us_per_mib``
+    at 0-259."""
     from autosac.trace.timings import retimed
 
     with retimed():
@@ -643,13 +645,15 @@ def _figures(setup: dict, times: dict[str, float], forwards: dict[str, float]) -
         forward = [ms for ms, phase in zip(tl.ms, tl.phases) if phase != "backward"]
         backward = [ms for ms, phase in zip(tl.ms, tl.phases) if phase == "backward"]
         fw_ms, bw_ms = forwards["none"], times["none"] - forwards["none"]
-        kernels_ms = forwards.get("kernels", sum(forward))  # the forward's ops timed alone in this round, or traced
+        # each phase's ops timed alone in this round (the large model), or as traced
+        kernels_ms = forwards.get("kernels", sum(forward))
+        backward_kernels_ms = times["kernels"] - forwards["kernels"] if "kernels" in times else sum(backward)
         out["op_us"] = fw_ms * 1e3 / len(forward)
         out["untimed_op_us"] = untimed_us = max(0.0, (fw_ms - kernels_ms) * 1e3 / len(forward))
         out["backward_op_us"] = bw_ms * 1e3 / len(backward)
         # negative where timing an op from Python counts more than the engine pays; bounded,
         # so that kernel timings taken in a slow moment cannot make backward ops free
-        out["backward_untimed_us"] = max(-0.5 * out["backward_op_us"], (bw_ms - sum(backward)) * 1e3 / len(backward))
+        out["backward_untimed_us"] = max(-0.5 * out["backward_op_us"], (bw_ms - backward_kernels_ms) * 1e3 / len(backward))
     if "casts" in times:  # every tensor the model's forward saves, packed and unpacked by the hook
         saves = stats.modules[stats.root].saved_tensors[0]
         out["cast_us"] = max(0.0, (times["casts"] - times["none"]) * 1e3 / max(1, saves))
@@ -667,8 +671,9 @@ def _take_round(variants: dict, x: torch.Tensor, repeats: int = 1, kernels=None)
     """One round: ``repeats`` passes over the variants, one (forward ms,
     forward-and-backward ms) sample of each per pass (on ``x``, or
     ``x[name]`` where it is a dict) -- variants a figure compares run moments
-    apart -- and, with ``kernels`` (:class:`~autosac.tools.calibration_models.ForwardKernels`),
-    the large model's forward ops timed alone (``("large", "kernels")``), in
+    apart -- and, with ``kernels`` (:class:`~autosac.tools.calibration_models.StepKernels`),
+    the large model's forward ops, then those and its backward's, timed alone
+    (``("large", "kernels")``, as a step's two samples), in
     CPU time of this thread (the calibration's ops are too small to run on
     other threads, and another process's time slices are not counted), and
     the share of a core the thread had meanwhile."""
@@ -692,8 +697,8 @@ def _take_round(variants: dict, x: torch.Tensor, repeats: int = 1, kernels=None)
                 for _ in range(_SAMPLES.get(name, 1)):
                     samples[name].append(step(m, x[name] if isinstance(x, dict) else x))
             if kernels is not None:
-                ms = kernels.ms()
-                samples.setdefault(("large", "kernels"), []).append((ms, ms))
+                fw_ms, bw_ms = kernels.ms()
+                samples.setdefault(("large", "kernels"), []).append((fw_ms, fw_ms + bw_ms))
     finally:
         if collecting:
             gc.enable()

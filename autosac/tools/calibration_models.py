@@ -95,46 +95,80 @@ def _large_models() -> tuple[dict, torch.Tensor]:
 
     x = torch.randn(LARGE_BATCH, LARGE_SEQ, LARGE_WIDTH)
     setup = _calibration_models(lambda: _Block(LARGE_WIDTH, 1), LARGE_REGIONS, x, plain=True)
-    setup["kernels"] = ForwardKernels(setup["variants"]["none"], x)
+    setup["kernels"] = StepKernels(setup["variants"]["none"], x, setup["stats"])
     return setup, x
 
 
-class ForwardKernels:
-    """A model's forward op calls, each to be timed alone as the trace times
-    an op (:func:`autosac.trace.costs.real_inputs`: tensors of its shapes,
-    filled as ops are timed on; the least of a few calls) -- in every round
-    of the calibration, beside the steps whose time less these timings is
-    the host's (:mod:`autosac.core.hostsize`).  Timings taken once, before
-    the rounds, were of another moment of a VM whose speed drifts by tens of
-    percent over seconds; at width 256 a step is mostly kernels, and the
-    host's part, a difference of the two, read 0 to 254 us per MiB between
-    calibrations (158-305 with this).  The calls' inputs hold 53 MiB while
-    the calibration runs; timing them takes 0.17 s a round here."""
+class StepKernels:
+    """A model's forward and backward op calls, each to be timed alone as
+    the trace times an op (:func:`autosac.trace.costs.real_inputs`: tensors
+    of its shapes, filled as ops are timed on; the least of a few calls) --
+    in every round of the calibration, beside the steps whose time less
+    these timings is the host's (:mod:`autosac.core.hostsize`).  Timings
+    taken once, before the rounds, were of another moment of a VM whose
+    speed drifts by tens of percent over seconds; at width 256 a step is
+    mostly kernels, and the host's part, a difference of the two, read 0 to
+    254 us per MiB between calibrations (158-305 with the forward's timed in
+    each round).  The backward's, timed once, gave ``backward_untimed_us_per_mib``
+    0-259 over nine calibrations on one VM (and a transformers-style Llama's
+    step priced 35-42.5 ms by it, 33 measured).  The calls' inputs hold
+    about 100 MiB while the calibration runs; timing them takes 0.3 s a round here."""
 
-    def __init__(self, model: nn.Module, x: torch.Tensor) -> None:
+    def __init__(self, model: nn.Module, x: torch.Tensor, stats) -> None:
         from torch.utils._python_dispatch import TorchDispatchMode
 
         from autosac.core.opkinds import is_view_op
-        from autosac.trace.costs import real_inputs
 
-        calls = self.calls = []
+        recorded = {"forward": [], "backward": []}
+        calls = recorded["forward"]
 
         class _Record(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
                 if not is_view_op(func):
-                    calls.append((func, *real_inputs(args, kwargs)))
+                    calls.append((func, args, kwargs))
                 return func(*args, **kwargs)
 
         with _Record():  # as the trace runs it: grad mode on
-            model(x).sum()
+            loss = model(x).sum()
+            calls = recorded["backward"]
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+        self.forward, self.forward_fixed_ms = _timed_calls(recorded["forward"], stats, backward=False)
+        self.backward, self.backward_fixed_ms = _timed_calls(recorded["backward"], stats, backward=True)
 
-    def ms(self, timed: int = 3) -> float:
-        """The sum over the op calls of each one's least time over ``timed``
-        calls after a warm-up (:func:`autosac.core.noise.best_ms`, as the trace times an op), in ms."""
+    def ms(self, timed: int = 3) -> tuple[float, float]:
+        """(forward, backward): the sum over each phase's op calls of each
+        one's least time over ``timed`` calls after a warm-up
+        (:func:`autosac.core.noise.best_ms`, as the trace times an op), in
+        ms, with the trace's price of those it could not time."""
         from autosac.core.noise import best_ms
 
-        return sum(best_ms(lambda c=c: c[0](*c[1], **c[2]), repeats=timed, max_repeats=timed)[0] for c in self.calls)
+        def total(calls) -> float:
+            return sum(best_ms(lambda c=c: c[0](*c[1], **c[2]), repeats=timed, max_repeats=timed)[0] for c in calls)
+
+        return total(self.forward) + self.forward_fixed_ms, total(self.backward) + self.backward_fixed_ms
+
+
+def _timed_calls(calls: list, stats, backward: bool) -> tuple[list, float]:
+    """The op calls of one phase of a step, each on inputs to time it on
+    (:func:`autosac.trace.costs.real_inputs`), and the traced ms of those
+    that have none (an expanded gradient: the trace prices them by the
+    roofline).  Raises RuntimeError where the calls are not the trace's
+    ops of that phase, one for one."""
+    from autosac.trace.costs import real_inputs
+
+    tl = stats.timeline
+    traced = [i for i, (ph, view) in enumerate(zip(tl.phases, tl.views)) if (ph == "backward") == backward and not view]
+    if [tl.ops[i] for i in traced] != [func.overloadpacket.__name__ for func, _, _ in calls]:
+        raise RuntimeError("the calibration model's step ran other ops than its trace")
+    timed, fixed_ms = [], 0.0
+    for i, (func, args, kwargs) in zip(traced, calls):
+        try:
+            timed.append((func, *real_inputs(args, kwargs)))
+        except RuntimeError:
+            fixed_ms += tl.ms[i]
+    return timed, fixed_ms
 
 
 def _calibration_models(region, blocks: int, x: torch.Tensor, selective: bool = False, casts: bool = False,
