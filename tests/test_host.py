@@ -42,7 +42,8 @@ def test_host_costs_are_checked_and_travel_with_the_target():
                                     "selective_op_us": 4.0, "untimed_op_us": 0.0, "backward_op_us": None,
                                     "backward_untimed_us": None, "small_op_bytes": 0.0, "large_op_bytes": 0.0,
                                     "untimed_us_per_mib": 0.0, "backward_untimed_us_per_mib": 0.0,
-                                    "selective_us_per_mib": 0.0, "cold_read_us_per_mib": 0.0, "cast_hook_us": 0.0,
+                                    "selective_us_per_mib": 0.0, "largest_op_bytes": 0.0,
+                                    "cold_read_us_per_mib": 0.0, "cast_hook_us": 0.0,
                                     "cast_remake_us": 0.0, "call_gap_us": 0.0,
                                     "state_item_us": 0.0, "checkpoint_us_per_mib": 0.0}
     assert autosac.ModelStats.from_json(stats.to_json()).target == stats.target

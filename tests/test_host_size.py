@@ -12,7 +12,7 @@ from suite import A100_CPU_KERNELS
 
 import autosac
 from autosac.core.host import HostCosts
-from autosac.core.hostsize import MIB, anchor_bytes, extra_us, fit_extras, machinery_us
+from autosac.core.hostsize import MIB, anchor_bytes, extra_us, fit_extras, largest_bytes, machinery_us
 from autosac.models import build_model
 from autosac.solver.problem import build_problem
 from autosac.tools.calibration_models import _Block
@@ -25,9 +25,9 @@ SIZED = HostCosts(op_us=10.0, untimed_op_us=2.0, backward_untimed_us=1.0, select
 
 
 def test_a_large_op_pays_per_mib_it_makes_by_its_share_between_the_calibrated_sizes():
-    """Up to the large calibration's typical op; beyond it, what that op pays
-    (measured in place, transformers Phi's 2 MiB elementwise ops ran 10-164 us
-    over their kernels alone, where 2 MiB at the per-MiB figure priced 321 us)."""
+    """Where the large calibration's largest op is not known (figures of
+    before host-costs-v29, a stated host): up to its typical op; beyond it,
+    what that op pays."""
     assert SIZED.op_ms(1.0, "cpu", timed=True, nbytes=SMALL) == pytest.approx(1.0 + 2.0 / 1e3)  # no more
     assert SIZED.op_ms(1.0, "cpu", timed=True, nbytes=LARGE) == pytest.approx(1.0 + (2.0 + 80.0) / 1e3)
     assert SIZED.op_ms(1.0, "cpu", timed=True, nbytes=4 * LARGE) == pytest.approx(1.0 + (2.0 + 80.0) / 1e3)
@@ -39,6 +39,17 @@ def test_a_large_op_pays_per_mib_it_makes_by_its_share_between_the_calibrated_si
     assert SIZED.op_ms(0.0, "cpu", timed=False, nbytes=LARGE) == pytest.approx(10.0 / 1e3)
     # figures without a large calibration (older caches, stated hosts): nothing more
     assert HostCosts(untimed_op_us=2.0).op_ms(1.0, "cpu", timed=True, nbytes=LARGE) == pytest.approx(1.002)
+
+
+def test_an_op_pays_per_mib_up_to_the_large_calibrations_largest_op():
+    """Where the large calibration's largest op is known, an op pays per MiB
+    up to it: twice the typical op pays twice, four times what twice does;
+    the machinery's extra still stops at the typical op."""
+    host = replace(SIZED, largest_op_bytes=2 * LARGE, checkpoint_us_per_mib=30.0)
+    assert host.op_ms(1.0, "cpu", timed=True, nbytes=2 * LARGE) == pytest.approx(1.0 + (2.0 + 160.0) / 1e3)
+    assert host.op_ms(1.0, "cpu", timed=True, nbytes=8 * LARGE) == pytest.approx(1.0 + (2.0 + 160.0) / 1e3)
+    assert host.op_ms(1.0, "cpu", timed=True, nbytes=LARGE) == SIZED.op_ms(1.0, "cpu", timed=True, nbytes=LARGE)
+    assert host.checkpoint_ms(0, 1, False, op_bytes=[2 * LARGE]) == pytest.approx(30.0 / 1e3)
 
 
 def test_a_large_op_making_fresh_memory_pays_and_an_in_place_foreach_op_or_a_view_does_not():
@@ -76,7 +87,7 @@ def test_the_machinery_pays_for_an_op_no_more_than_for_the_large_calibrations_op
     """An op's kernel evicts the caches the machinery's Python work runs in;
     more bytes do not evict more: a 4 MiB op adds to the checkpointing
     machinery what a 1 MiB one does, below the large size as the op's own
-    figures do (which are capped alike)."""
+    figures do (which, where the largest op is known, run on up to it)."""
     host = replace(SIZED, checkpoint_us_per_mib=30.0)
     assert machinery_us(4 * LARGE, SMALL, LARGE, 30.0) == machinery_us(LARGE, SMALL, LARGE, 30.0) == 30.0
     assert machinery_us(256 << 10, SMALL, LARGE, 30.0) == extra_us(256 << 10, SMALL, LARGE, 30.0) > 0
@@ -226,12 +237,16 @@ def test_the_fitted_extras_price_the_large_calibration_model_as_measured():
     small_bytes = 1024.0
     large_bytes = anchor_bytes(stats)
     assert small_bytes < large_bytes
-    got = fit_extras(small, large, stats, small_bytes, large_bytes)
+    largest = largest_bytes(stats)
+    assert largest > large_bytes
+    got = fit_extras(small, large, stats, small_bytes, large_bytes, largest)
     tl = stats.timeline
     fw = [m for m, ph in zip(tl.made_bytes, tl.phases) if ph != "backward"]
     bw = [m for m, ph in zip(tl.made_bytes, tl.phases) if ph == "backward"]
-    priced_fw = sum(3.0 + machinery_us(m, small_bytes, large_bytes, got["untimed_us_per_mib"]) for m in fw)
-    priced_bw = sum(1.5 + machinery_us(m, small_bytes, large_bytes, got["backward_untimed_us_per_mib"]) for m in bw)
+    host = HostCosts(small_op_bytes=small_bytes, large_op_bytes=large_bytes, largest_op_bytes=largest, **got)
+    priced_fw = sum(3.0 + host.op_extra_us(m, got["untimed_us_per_mib"]) for m in fw)
+    priced_bw = sum(1.5 + host.op_extra_us(m, got["backward_untimed_us_per_mib"]) for m in bw)
+    assert max(host.op_extra_us(m, 1.0) for m in fw) > machinery_us(largest, small_bytes, large_bytes, 1.0)
     assert priced_fw == pytest.approx(30.0 * len(fw), rel=1e-3)
     assert priced_bw == pytest.approx(12.0 * len(bw), rel=1e-3)
     assert got["untimed_us_per_mib"] > 0 and MIB == 1 << 20

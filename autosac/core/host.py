@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
-CACHE_KEY = "host-costs-v28"  # bump when the micro-benchmark changes (v12: a large size too, autosac.core.hostsize;
+CACHE_KEY = "host-costs-v29"  # bump when the micro-benchmark changes (v12: a large size too, autosac.core.hostsize;
 # v13: cold_read_us_per_mib, autosac.core.coldread; v14: cast_hook_us; v15: figures as medians of per-round figures;
 # v16: first_call_us; v17: call_gap_us in its place, checkpoint_call_us and saved_tensor_us at no gap;
 # state_item_us; v18: call_gap_us in the rounds, the models' op timings taken anew, medians over noisy calibrations;
@@ -26,9 +26,11 @@ CACHE_KEY = "host-costs-v28"  # bump when the micro-benchmark changes (v12: a la
 # v25: the op figures' per-MiB extras capped as the machinery's, fitted so;
 # v26: state_item_us timed in bursts spread over call_gap_us's rounds, autosac.tools.calibrate._apart_figures;
 # v27: each round's figures brought to the rounds' typical speed, autosac.tools.calibrate._at_typical_speed;
-# v28: checkpoint_us_per_mib no longer measured, autosac.tools.calibration_size)
+# v28: checkpoint_us_per_mib no longer measured, autosac.tools.calibration_size;
+# v29: the large model's backward kernels timed in each round; an op's per-MiB extra capped at the large
+# calibration's largest op, largest_op_bytes, not at its typical one)
 _FIELDS = ("op_us", "checkpoint_call_us", "saved_tensor_us", "selective_op_us", "untimed_op_us", "backward_op_us",
-           "backward_untimed_us", "small_op_bytes", "large_op_bytes", "untimed_us_per_mib", "backward_untimed_us_per_mib",
+           "backward_untimed_us", "small_op_bytes", "large_op_bytes", "largest_op_bytes", "untimed_us_per_mib", "backward_untimed_us_per_mib",
            "selective_us_per_mib", "cold_read_us_per_mib", "cast_hook_us", "cast_remake_us", "call_gap_us",
            "state_item_us", "checkpoint_us_per_mib")
 _SIGNED = ("backward_untimed_us",)
@@ -68,6 +70,9 @@ class HostCosts:
     untimed_us_per_mib: float = 0.0
     backward_untimed_us_per_mib: float = 0.0
     selective_us_per_mib: float = 0.0
+    # CPU kernels: the large calibration's largest op in bytes: an op's own per-MiB extra is priced up to
+    # it (autosac.core.hostsize.op_extra_us; 0: up to large_op_bytes, as the machinery's)
+    largest_op_bytes: float = 0.0
     # CPU kernels: what a foreach op (an optimizer's) adds per MiB it reads that the op before
     # it did not touch (autosac.core.coldread; 0: none measured)
     cold_read_us_per_mib: float = 0.0
@@ -99,6 +104,14 @@ class HostCosts:
 
         return machinery_us(nbytes, self.small_op_bytes, self.large_op_bytes, us_per_mib)
 
+    def op_extra_us(self, nbytes: float, us_per_mib: float) -> float:
+        """What an op making ``nbytes`` adds to its own per-op figure at
+        ``us_per_mib``: no more than the large calibration's largest op
+        (:func:`autosac.core.hostsize.op_extra_us`)."""
+        from autosac.core.hostsize import op_extra_us
+
+        return op_extra_us(nbytes, self.small_op_bytes, self.large_op_bytes, self.largest_op_bytes, us_per_mib)
+
     def op_ms(self, kernel_ms: float, device_type: str, timed: bool, backward: bool = False, nbytes: int = 0) -> float:
         """One op call's time from its kernel's: on a GPU the longer of the
         two (the host issues the next op while the kernel runs); on the CPU
@@ -114,7 +127,7 @@ class HostCosts:
         if device_type != "cpu":
             return max(kernel_ms, whole / 1e3)
         if timed and nbytes:
-            untimed += self.size_us(nbytes, self.backward_untimed_us_per_mib if backward else self.untimed_us_per_mib)
+            untimed += self.op_extra_us(nbytes, self.backward_untimed_us_per_mib if backward else self.untimed_us_per_mib)
         return max(0.0, kernel_ms + (untimed if timed else whole) / 1e3)
 
     def checkpoint_ms(self, saved_tensors: int, ops: int, selective: bool, op_bytes=(), roots: float = 0.0,

@@ -17,8 +17,9 @@ makes nothing: AdamW's foreach ops pay for what they read cold instead,
 :mod:`autosac.core.coldread`).  An op
 between the two sizes pays a share of that, by the logarithm of its bytes
 (:func:`share`); ops no larger than the small calibration's pay nothing
-more, ops larger than the large calibration's typical op what that one
-does (:func:`machinery_us`).  The op figures are fitted so that the large
+more, ops larger than the large calibration's largest op what that one
+does (:func:`op_extra_us`; the checkpointing machinery's extra stops at its
+typical op, :func:`machinery_us`).  The op figures are fitted so that the large
 calibration model is priced what it measured (:func:`fit_extras`); a
 selective call's (``selective_us_per_mib``) is measured with regions side
 by side in one step (:mod:`autosac.tools.calibration_size`), a plain call's
@@ -49,10 +50,11 @@ def extra_us(nbytes: float, small: float, large: float, us_per_mib: float) -> fl
 
 
 def machinery_us(nbytes: float, small: float, large: float, us_per_mib: float) -> float:
-    """What an op making ``nbytes`` adds to a per-op host figure or to the
-    checkpointing machinery's per-call one: as :func:`extra_us`, but an op
-    larger than the large calibration's typical op (``large``) adds what that
-    one does.  The extra is Python, dispatcher and autograd work run after the
+    """What an op making ``nbytes`` adds to the checkpointing machinery's
+    per-call figure (and to its own, by figures that do not know the large
+    calibration's largest op: :func:`op_extra_us`): as :func:`extra_us`, but
+    an op larger than the large calibration's typical op (``large``) adds
+    what that one does.  The extra is Python, dispatcher and autograd work run after the
     op's kernel, cold once the kernel has evicted the caches: more bytes do
     not make it colder.  Priced per MiB without that cap, a selective region
     around transformers GPT-2's tanh GELU (eight elementwise ops making 2 MiB
@@ -63,6 +65,21 @@ def machinery_us(nbytes: float, small: float, large: float, us_per_mib: float) -
     model's 64 MiB ops would pay 64 times the calibrated figure each
     (docs/benchmarks.md)."""
     return extra_us(min(nbytes, large), small, large, us_per_mib)
+
+
+def op_extra_us(nbytes: float, small: float, large: float, largest: float, us_per_mib: float) -> float:
+    """What an op making ``nbytes`` adds to its own per-op host figure: as
+    :func:`extra_us`, up to the large calibration's largest op (``largest``
+    bytes; 0: its typical op, ``large``), beyond which the figure was not
+    measured.  The extra is mostly the op's kernel run on data the step let
+    go cold, 30-60 us per MiB it reads and writes (each op timed in the step
+    and alone in the same round: ``benchmarks/op_extras.py``).  Capped at the
+    typical op, as the machinery is, the large calibration's 1-2 MiB matmuls
+    and GELU weighed as 0.74 MiB ops: the fitted figure came to 250 us per
+    MiB against 150 uncapped, and Llamas, whose ops are mostly 0.25-0.5 MiB,
+    were priced 40-55 % over what their forwards and backwards spent beyond
+    their kernels (within 7 % uncapped)."""
+    return extra_us(min(nbytes, largest or large), small, large, us_per_mib)
 
 
 def share(nbytes: float, small: float, large: float) -> float:
@@ -100,14 +117,21 @@ def anchor_bytes(stats) -> float:
     return math.exp(sum(math.log(b) for b in sizes) / len(sizes)) if sizes else 0.0
 
 
-def fit_extras(small: dict, large: dict, stats, small_bytes: float, large_bytes: float) -> dict[str, float]:
+def largest_bytes(stats) -> float:
+    """A calibration model's largest op: the most bytes one of its forward's op calls makes."""
+    tl = stats.timeline
+    return float(max((b for b, ph in zip(tl.made_bytes, tl.phases) if ph == "forward"), default=0))
+
+
+def fit_extras(small: dict, large: dict, stats, small_bytes: float, large_bytes: float,
+               largest: float = 0.0) -> dict[str, float]:
     """The large-size extras, microseconds per MiB an op makes, from
     both calibrations' figures (:func:`autosac.tools.calibrate._figures`; ``small`` as
     estimated, ``large`` raw) and the large model's trace: each such that
-    the small figure on every op plus its :func:`extra_us` gives the large
-    model's measured total."""
+    the small figure on every op plus its :func:`op_extra_us` (up to
+    ``largest`` bytes) gives the large model's measured total."""
     tl = stats.timeline
-    shares = [machinery_us(b, small_bytes, large_bytes, 1.0) for b in tl.made_bytes]  # MiB weighted, capped
+    shares = [op_extra_us(b, small_bytes, large_bytes, largest, 1.0) for b in tl.made_bytes]  # MiB weighted, capped
     forward = [s for s, ph in zip(shares, tl.phases) if ph != "backward"]
     backward = [s for s, ph in zip(shares, tl.phases) if ph == "backward"]
 
@@ -122,4 +146,5 @@ def fit_extras(small: dict, large: dict, stats, small_bytes: float, large_bytes:
     }
 
 
-__all__ = ["anchor_bytes", "extra_us", "fit_extras", "machinery_us", "made_bytes", "share"]
+__all__ = ["anchor_bytes", "extra_us", "fit_extras", "largest_bytes", "machinery_us", "made_bytes", "op_extra_us",
+           "share"]

@@ -32,10 +32,10 @@ own, whatever the kernels cost:
   (some outputs cached, some recomputed), in the forward and again in the
   recompute: autosac's dispatch mode and its per-call checks.
 * ``untimed_us_per_mib``, ``backward_untimed_us_per_mib`` (with
-  ``small_op_bytes`` and ``large_op_bytes``): where the kernels run on this
-  CPU, what an op making large data adds to ``untimed_op_us`` and
-  ``backward_untimed_us`` per MiB it makes, up to the large calibration's
-  typical op (:mod:`autosac.core.hostsize`).
+  ``small_op_bytes``, ``large_op_bytes`` and ``largest_op_bytes``): where
+  the kernels run on this CPU, what an op making large data adds to
+  ``untimed_op_us`` and ``backward_untimed_us`` per MiB it makes, up to the
+  large calibration's largest op (:mod:`autosac.core.hostsize`).
 * ``selective_us_per_mib``: where the kernels run on this CPU, what a
   selective call's per-op work costs more per MiB its forward's ops make:
   its Python runs cache-cold after large kernels; measured inside one step
@@ -601,11 +601,13 @@ def _gap_us(setup: dict, tiny: dict) -> float:
 
 def _large_figures(models: dict, small: dict, large: dict) -> dict[str, float]:
     """The large-size extras and both sizes' typical op bytes (:func:`autosac.core.hostsize.fit_extras`)."""
-    from autosac.core.hostsize import anchor_bytes, fit_extras
+    from autosac.core.hostsize import anchor_bytes, fit_extras, largest_bytes
 
-    small_bytes, large_bytes = anchor_bytes(models["shallow"]["stats"]), anchor_bytes(models["large"]["stats"])
-    extras = fit_extras(small, large, models["large"]["stats"], small_bytes, large_bytes)
-    return {"small_op_bytes": round(small_bytes), "large_op_bytes": round(large_bytes), **extras}
+    stats = models["large"]["stats"]
+    small_bytes, large_bytes, largest = anchor_bytes(models["shallow"]["stats"]), anchor_bytes(stats), largest_bytes(stats)
+    extras = fit_extras(small, large, stats, small_bytes, large_bytes, largest)
+    return {"small_op_bytes": round(small_bytes), "large_op_bytes": round(large_bytes), "largest_op_bytes": largest,
+            **extras}
 
 
 def _scale(figures: dict[str, float], name: str, gap_roots: float = 0.0) -> float:
