@@ -58,7 +58,7 @@ def touched_bytes(args, kwargs, out) -> int:
     for x in tree_leaves((args, kwargs, out)):
         if isinstance(x, torch.Tensor) and x.numel():
             st = x.untyped_storage()
-            seen[st.data_ptr()] = min(st.nbytes(), x.numel() * x.element_size())
+            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), min(st.nbytes(), x.numel() * x.element_size()))
     return sum(seen.values())
 
 
@@ -142,6 +142,9 @@ def measure(name: str, regime: str, rounds: int) -> dict[str, list[tuple]]:
 def report(rows: dict[str, list[tuple]]) -> None:
     for p, ops in rows.items():
         touched, made, extra = (sum(r[i] for r in ops) for i in (1, 2, 3))
+        if not ops or not touched:
+            print(f"{p}: no op timed")
+            continue
         print(f"{p}: {len(ops)} ops, {extra / 1e3:.2f} ms beyond their kernels alone; "
               f"{extra / (touched / 2**20):.1f} us per MiB touched, {extra / max(made / 2**20, 1e-9):.1f} per MiB made")
         kinds = collections.defaultdict(lambda: [0, 0, 0, 0.0])
@@ -158,7 +161,7 @@ def fit(calib: dict[str, list[tuple]], rows: dict[str, list[tuple]]) -> None:
     from autosac.core.hostsize import extra_us
     from autosac.tools.calibrate import calibrate
 
-    made = [m for _, _, m, _ in calib["forward"] if m]
+    made = [m for _, _, m, _ in calib["forward"] if m > 1024]  # the loss's scalar left out, as anchor_bytes does
     small = calibrate().small_op_bytes  # the small calibration's typical op (this machine's, cached)
     large = statistics.geometric_mean(made)  # the large one's (autosac.core.hostsize.anchor_bytes)
     largest = max(made)
@@ -170,7 +173,10 @@ def fit(calib: dict[str, list[tuple]], rows: dict[str, list[tuple]]) -> None:
     }
     for p in PHASES:
         for label, w in weighings.items():
-            rate = sum(r[3] for r in calib[p]) / sum(w(r[1], r[2]) for r in calib[p])
+            weight = sum(w(r[1], r[2]) for r in calib[p])
+            if not weight or not rows[p]:
+                continue
+            rate = sum(r[3] for r in calib[p]) / weight
             priced = rate * sum(w(r[1], r[2]) for r in rows[p]) / 1e3
             got = sum(r[3] for r in rows[p]) / 1e3
             print(f"{p:8s} {label:26s} {rate:6.1f} us/MiB: priced {priced:6.2f} ms, measured {got:6.2f} "

@@ -43,7 +43,7 @@ def test_a_large_op_pays_per_mib_it_makes_by_its_share_between_the_calibrated_si
 
 def test_an_op_pays_per_mib_up_to_the_large_calibrations_largest_op():
     """Where the large calibration's largest op is known, an op pays per MiB
-    up to it: twice the typical op pays twice, four times what twice does;
+    up to it: twice the typical op pays twice what it does, eight times no more than twice;
     the machinery's extra still stops at the typical op."""
     host = replace(SIZED, largest_op_bytes=2 * LARGE, checkpoint_us_per_mib=30.0)
     assert host.op_ms(1.0, "cpu", timed=True, nbytes=2 * LARGE) == pytest.approx(1.0 + (2.0 + 160.0) / 1e3)

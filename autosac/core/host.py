@@ -97,8 +97,8 @@ class HostCosts:
     checkpoint_us_per_mib: float = 0.0
 
     def size_us(self, nbytes: float, us_per_mib: float) -> float:
-        """What an op making ``nbytes`` adds to a per-op figure or to the
-        checkpointing machinery's per-call one, at ``us_per_mib``: no more than
+        """What an op making ``nbytes`` adds to the checkpointing machinery's
+        per-call figure, at ``us_per_mib``: no more than
         the large calibration's typical op (:func:`autosac.core.hostsize.machinery_us`)."""
         from autosac.core.hostsize import machinery_us
 

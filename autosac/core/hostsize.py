@@ -51,12 +51,12 @@ def extra_us(nbytes: float, small: float, large: float, us_per_mib: float) -> fl
 
 def machinery_us(nbytes: float, small: float, large: float, us_per_mib: float) -> float:
     """What an op making ``nbytes`` adds to the checkpointing machinery's
-    per-call figure (and to its own, by figures that do not know the large
-    calibration's largest op: :func:`op_extra_us`): as :func:`extra_us`, but
-    an op larger than the large calibration's typical op (``large``) adds
-    what that one does.  The extra is Python, dispatcher and autograd work run after the
+    per-call figure: as :func:`extra_us`, but an op larger than the large
+    calibration's typical op (``large``) adds what that one does.  The
+    machinery's extra is Python, dispatcher and autograd work run after the
     op's kernel, cold once the kernel has evicted the caches: more bytes do
-    not make it colder.  Priced per MiB without that cap, a selective region
+    not make it colder (an op's own extra, mostly its kernel on cold data,
+    runs on further: :func:`op_extra_us`).  Priced per MiB without that cap, a selective region
     around transformers GPT-2's tanh GELU (eight elementwise ops making 2 MiB
     each at width 256) came to 5.2 ms of machinery, where the ViTs' regions
     around an exact GELU (one op) were priced 1.8 ms; transformers Phi's MLP
@@ -118,7 +118,9 @@ def anchor_bytes(stats) -> float:
 
 
 def largest_bytes(stats) -> float:
-    """A calibration model's largest op: the most bytes one of its forward's op calls makes."""
+    """A calibration model's largest op: the most bytes one of its forward's
+    op calls makes (the cap :func:`fit_extras` weighs the backward's by too;
+    a backward makes gradients of the forward's sizes)."""
     tl = stats.timeline
     return float(max((b for b, ph in zip(tl.made_bytes, tl.phases) if ph == "forward"), default=0))
 

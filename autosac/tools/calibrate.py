@@ -600,7 +600,8 @@ def _gap_us(setup: dict, tiny: dict) -> float:
 
 
 def _large_figures(models: dict, small: dict, large: dict) -> dict[str, float]:
-    """The large-size extras and both sizes' typical op bytes (:func:`autosac.core.hostsize.fit_extras`)."""
+    """The large-size extras, both sizes' typical op bytes and the large
+    size's largest op (:func:`autosac.core.hostsize.fit_extras`)."""
     from autosac.core.hostsize import anchor_bytes, fit_extras, largest_bytes
 
     stats = models["large"]["stats"]
