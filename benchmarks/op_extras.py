@@ -10,7 +10,8 @@ optimizer's are left out), and right after each step times each of those
 calls alone on inputs of its shapes, as the trace does
 (:func:`autosac.trace.costs.real_inputs`, least of three calls).  Per op it
 keeps the median over the rounds of (in place - alone); per phase it prints
-the sum beside the MiB the ops touched (inputs and outputs) and made
+the sum beside the MiB the ops touched (inputs and outputs, as the
+roofline counts them: :func:`autosac.trace.costs.op_bytes`) and made
 (outputs, as :func:`autosac.core.hostsize.made_bytes` counts them), and
 with ``--fit`` how well each way of weighing an op's bytes, fitted on the
 calibration's large model, prices the model's sum.
@@ -41,25 +42,14 @@ sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..", "tests"), os.path.
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from autosac.core.hostsize import LARGE_BATCH, LARGE_REGIONS, LARGE_SEQ, LARGE_WIDTH, made_bytes  # noqa: E402
 from autosac.core.noise import best_ms  # noqa: E402
 from autosac.core.opkinds import is_view_op  # noqa: E402
 from autosac.core.optim import make_optimizer  # noqa: E402
-from autosac.trace.costs import real_inputs  # noqa: E402
+from autosac.trace.costs import op_bytes, real_inputs  # noqa: E402
 
 PHASES = ("forward", "backward")
-
-
-def touched_bytes(args, kwargs, out) -> int:
-    """Bytes of the distinct storages an op call reads or writes (a view's counted once)."""
-    seen = {}
-    for x in tree_leaves((args, kwargs, out)):
-        if isinstance(x, torch.Tensor) and x.numel():
-            st = x.untyped_storage()
-            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), min(st.nbytes(), x.numel() * x.element_size()))
-    return sum(seen.values())
 
 
 class _Calls(TorchDispatchMode):
@@ -86,7 +76,7 @@ class _Calls(TorchDispatchMode):
         took = (time.perf_counter() - start) * 1e6
         if self.record:
             self.calls[self.phase].append((func, inputs, func.overloadpacket.__name__,
-                                           touched_bytes(args, kwargs, out), made_bytes(func, args, kwargs, out)))
+                                           op_bytes(args, kwargs, out), made_bytes(func, args, kwargs, out)))
         else:
             self.times[self.phase].append(took)
         return out
