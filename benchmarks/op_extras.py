@@ -69,7 +69,7 @@ class _Calls(TorchDispatchMode):
         if self.record:
             try:
                 inputs = real_inputs(args, kwargs)
-            except RuntimeError:  # an expanded tensor: not timed alone, as the trace does not
+            except RuntimeError:  # inputs that cannot be made: not timed alone, as the trace does not
                 pass
         start = time.perf_counter()
         out = func(*args, **kwargs)

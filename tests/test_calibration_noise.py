@@ -646,9 +646,8 @@ def test_the_large_models_kernels_are_timed_in_each_round_beside_its_steps():
                                             (kernels.backward, kernels.backward_fixed_ms, True)):
         traced = [ms for phase, view, ms in zip(tl.phases, tl.views, tl.ms)
                   if (phase == "backward") == backward and not view]
-        # each call timed, or (no inputs can be made for it: an expanded gradient) priced as traced
-        assert 0.9 * len(traced) < len(phase_calls) <= len(traced)
-        assert (fixed_ms > 0) == (len(phase_calls) < len(traced)) and fixed_ms < sum(traced)
+        # each call timed, an expanded gradient's too (none priced as traced)
+        assert len(phase_calls) == len(traced) and fixed_ms == 0
     samples, _ = host._take_round({("large", "none"): setup["variants"]["none"]}, x, kernels=kernels)
     (fw_ms, _), = samples[("large", "none")]
     (kernels_fw, kernels_step), = samples[("large", "kernels")]

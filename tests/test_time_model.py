@@ -27,6 +27,30 @@ def test_ops_are_timed_on_values_they_are_defined_for():
     assert (_real_like(ids) == 0).all()  # indices stay valid for any embedding or gather
 
 
+def test_an_op_on_an_expanded_input_is_timed_on_inputs_laid_out_as_given():
+    """A sum's gradient reaches the backward expanded (stride 0): its inputs are
+    made as laid out, every element filled, so the op is timed, not priced by
+    the roofline (1.9 ms of the large calibration model's 32 ms backward was),
+    and under its own timing key (older caches kept the roofline's price as timed)."""
+    from autosac.trace.costs import real_inputs, timing_key
+
+    with FakeTensorMode():
+        grad = torch.empty(4, 1, 64).expand(4, 16, 64)
+        weight = torch.empty(32, 64)
+    (g, w), _ = real_inputs((grad, weight), {})
+    assert g.shape == (4, 16, 64) and g.stride() == (64, 0, 1) and w.stride() == (64, 1)
+    assert ((g >= 0.25) & (g <= 0.75)).all() and (g[:, 0] == g[:, 15]).all()
+    assert g.untyped_storage().nbytes() == 4 * 64 * 4  # the expanded tensor's own storage, not a copy
+    op = torch.ops.aten.matmul.default
+    assert torch.isfinite(op(g, w.t())).all()
+    with FakeTensorMode():
+        plain = torch.empty(4, 16, 64)
+    assert "expanded" in timing_key(op, (grad, weight), {}) and "expanded" not in timing_key(op, (plain, weight), {})
+    with FakeTensorMode():  # a size-1 dimension's stride is no expansion
+        single = torch.empty(4, 1, 64).expand(4, 1, 64)
+    assert "expanded" not in timing_key(op, (single, weight), {})
+
+
 def test_calibration_runs_other_work_between_checkpointed_calls():
     # back to back, a checkpointed call finds its machinery's code and data in the
     # caches and costs less than half what it does in a model (180 against 410 us)

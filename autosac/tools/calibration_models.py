@@ -135,7 +135,7 @@ class StepKernels:
                 if not is_view_op(func):
                     try:  # inputs of its shapes, made now: the step's own tensors are not held
                         calls.append((func, real_inputs(args, kwargs)))
-                    except RuntimeError:  # an expanded gradient: priced as traced (by the roofline)
+                    except RuntimeError:  # inputs that cannot be made: priced as traced
                         calls.append((func, None))
                 return func(*args, **kwargs)
 
@@ -163,8 +163,8 @@ class StepKernels:
 def _timed_calls(calls: list, stats, backward: bool) -> tuple[list, float]:
     """The op calls of one phase of a step that have inputs to time them on
     (``(op, (args, kwargs) or None)`` each, :func:`autosac.trace.costs.real_inputs`),
-    and the traced ms of those that have none (an expanded gradient: the
-    trace prices them by the roofline).  Raises RuntimeError where the calls
+    and the traced ms of those that have none (inputs that cannot be made:
+    the trace prices them by the roofline).  Raises RuntimeError where the calls
     are not the trace's ops of that phase, one for one."""
     tl = stats.timeline
     traced = [i for i, (ph, view) in enumerate(zip(tl.phases, tl.views)) if (ph == "backward") == backward and not view]

@@ -395,7 +395,10 @@ class _Shape:
 def timing_key(func, args, kwargs) -> str:
     """The key a CPU op timing is kept under (:class:`autosac.trace.timings.TimingCache`):
     the op, its tensors' shapes, strides and dtypes, its other arguments, the inputs' values."""
-    return repr((str(func), _shape_key((args, kwargs)), TIMED_INPUTS))
+    shapes = _shape_key((args, kwargs))
+    # an expanded input's op is timed since host-costs-v30 (before: by the roofline, and cached as timed)
+    expanded = any(isinstance(x, tuple) and any(st == 0 and n > 1 for n, st in zip(x[0], x[1])) for x in shapes)
+    return repr((str(func), shapes, TIMED_INPUTS, *(("expanded",) if expanded else ())))
 
 
 def _shape_key(tree) -> tuple:
@@ -419,12 +422,15 @@ TIMED_INPUTS = (0.25, 0.75)
 
 def _real_like(t: torch.Tensor) -> torch.Tensor:
     real = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    # filled through its whole storage, once per element: an expanded tensor (stride 0, one element at
+    # several places: a sum's gradient) cannot be filled through itself, and was priced by the roofline
+    every = real.as_strided((real.untyped_storage().nbytes() // real.element_size(),), (1,), 0)
     if t.is_floating_point() or t.is_complex():
-        real.uniform_(*TIMED_INPUTS)
+        every.uniform_(*TIMED_INPUTS)
     elif t.dtype == torch.bool:
-        real.fill_(True)
+        every.fill_(True)
     else:
-        real.zero_()  # indices: zero is valid for any embedding/gather
+        every.zero_()  # indices: zero is valid for any embedding/gather
     return real
 
 
@@ -439,8 +445,15 @@ def _time_real(func, args, kwargs) -> tuple[float, bool]:
 
 def real_inputs(args, kwargs) -> tuple[tuple, dict]:
     """CPU tensors of the shapes, strides and dtypes of those in ``(args, kwargs)``
-    (fake, meta or real), filled as ops are timed on (:data:`TIMED_INPUTS`).  Raises
-    RuntimeError for an expanded tensor (one element at several places)."""
+    (fake, meta or real), filled as ops are timed on (:data:`TIMED_INPUTS`), an
+    expanded tensor (one element at several places) expanded as given.
+
+    Example::
+
+        >>> args, _ = real_inputs((torch.empty(4, 1, device="meta").expand(4, 8),), {})
+        >>> args[0].stride(), bool(((args[0] >= 0.25) & (args[0] <= 0.75)).all())
+        ((1, 0), True)
+    """
     return tree_map(lambda x: _real_like(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
 
 
