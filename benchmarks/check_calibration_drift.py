@@ -63,7 +63,7 @@ def timed_ops(model, x) -> dict[str, list]:
             continue
         try:
             real_args, real_kwargs = real_inputs(args, kwargs)
-        except RuntimeError:  # an expanded input: the trace priced it on the roofline
+        except RuntimeError:  # inputs that cannot be made: the trace priced it on the roofline
             continue
         ops["backward" if backward else "forward"].append((ms, func, real_args, real_kwargs))
     return ops

@@ -16,10 +16,10 @@ timed without the mode give the whole step.
     python benchmarks/plan_ops.py zoo-timm-swin dispatch mid --rounds 20
 
 Measured on this 2-core VM (23rd session): Swin at its dispatch-bound mid
-plan (three MLP regions), 20 rounds, twice: the whole step +5.9 and +7.5 ms
-(priced +5.9); the plan's forward ops 1 % and 10 % faster than the
-unmodified step's, its backward's own ops about as much slower -- a split
-that moved with the VM's moment.
+plan (three MLP regions), 20 rounds, twice: the whole step +5.3 and +4.8 ms
+(priced +5.6, on an unmodified step priced 60.3 ms that ran 71.1-71.5); the
+plan's forward ops 0.5-3 % faster than the unmodified step's, the re-run's
+calls 2.1 ms, the backward's own ops 0.4-0.6 ms faster.
 """
 
 from __future__ import annotations
@@ -110,38 +110,41 @@ def measure(name: str, regime: str, budget: str, rounds: int) -> None:
     args, kwargs = (inputs, {}) if not isinstance(inputs, dict) else ((), inputs)
     args = args if isinstance(args, tuple) else (args,)
     steps = {k: [] for k in variants}
-    sums = {k: [] for k in variants}
-    for r in range(rounds + 3):  # three warm-up rounds
-        for k, m in variants.items():
-            ms = _step(m, args, kwargs, loss_fn, opts[k], None)
+    sums = {k: [] for k in variants}  # per round: (ms by (phase, op), calls by (phase, op))
+    order = list(variants)
+    for r in range(rounds + 3):  # three warm-up rounds; the variants' order turns each round
+        for k in order[r % 2:] + order[: r % 2]:
+            ms = _step(variants[k], args, kwargs, loss_fn, opts[k], None)
             clocks[k].ms.clear()
-            _step(m, args, kwargs, loss_fn, opts[k], clocks[k])
+            clocks[k].calls.clear()
+            _step(variants[k], args, kwargs, loss_fn, opts[k], clocks[k])
             if r >= 3:
                 steps[k].append(ms)
-                sums[k].append(dict(clocks[k].ms))
-    _report(plan, steps, sums, {k: c.calls for k, c in clocks.items()}, rounds)
+                sums[k].append((dict(clocks[k].ms), collections.Counter(clocks[k].calls)))
+    _report(plan, steps, sums)
 
 
-def _report(plan, steps, sums, calls, rounds) -> None:
-    def median(k, key) -> float:
-        return statistics.median(s.get(key, 0.0) for s in sums[k])
+def _report(plan, steps, sums) -> None:
+    def median(k, key, i=0) -> float:
+        return statistics.median(s[i].get(key, 0) for s in sums[k])
 
     def phase_ms(k, phase) -> float:
-        return statistics.median(sum(v for (p, _), v in s.items() if p == phase) for s in sums[k])
+        return statistics.median(sum(v for (p, _), v in s[0].items() if p == phase) for s in sums[k])
 
     print(f"{len(plan.details)} regions: {', '.join(plan.details)}")
-    print(f"whole step, ms: unmodified {statistics.median(steps['unmodified']):.2f}, plan "
-          f"{statistics.median(steps['plan']):.2f} (predicted {plan.baseline_step_ms:.2f} and {plan.step_ms:.2f})")
+    print(f"whole step (this thread's CPU), ms: unmodified {statistics.median(steps['unmodified']):.2f}, plan "
+          f"{statistics.median(steps['plan']):.2f} (priced {plan.baseline_step_ms:.2f} and {plan.step_ms:.2f})")
     for phase in ("forward", "forward, checkpointed modules", "backward"):
-        print(f"{phase:31s} ops in place, ms: unmodified {phase_ms('unmodified', phase):8.3f}   "
+        print(f"{phase:31s} ops in place (wall), ms: unmodified {phase_ms('unmodified', phase):8.3f}   "
               f"plan {phase_ms('plan', phase):8.3f}")
-    print("\nby op (median over rounds of each one's summed ms; calls per step):")
-    keys = sorted(set(calls["unmodified"]) | set(calls["plan"]))
+    print("\nby op (median over rounds of each one's summed ms; median calls per step; the re-run: the plan's "
+          "backward calls the unmodified backward does not make):")
+    keys = sorted({key for k in sums for s in sums[k] for key in s[1]})
     for key in keys:
         a, b = median("unmodified", key), median("plan", key)
-        n_a, n_b = calls["unmodified"][key] // (rounds + 3), calls["plan"][key] // (rounds + 3)
+        n_a, n_b = median("unmodified", key, 1), median("plan", key, 1)
         if n_a != n_b or abs(b - a) > 0.05:
-            print(f"  {key[0]:31s} {key[1]:28s} unmodified {n_a:4d} {a:7.3f}   plan {n_b:4d} {b:7.3f}   {b - a:+.3f}")
+            print(f"  {key[0]:31s} {key[1]:28s} unmodified {n_a:4g} {a:7.3f}   plan {n_b:4g} {b:7.3f}   {b - a:+.3f}")
 
 
 def main(argv=None) -> int:
@@ -151,6 +154,9 @@ def main(argv=None) -> int:
     ap.add_argument("budget", choices=("mid", "least"))
     ap.add_argument("--rounds", type=int, default=12)
     args = ap.parse_args(argv)
+    if args.regime not in ps.MODELS[args.model][1]:
+        ap.error(f"{args.model} runs in {', '.join(ps.MODELS[args.model][1])}, not {args.regime}")
+    ps.keep_freed_memory()  # as predict_suite measures: glibc keeps what a step frees (no page faults a step)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     measure(args.model, args.regime, args.budget, args.rounds)

@@ -46,9 +46,11 @@ def test_an_op_on_an_expanded_input_is_timed_on_inputs_laid_out_as_given():
     with FakeTensorMode():
         plain = torch.empty(4, 16, 64)
     assert "expanded" in timing_key(op, (grad, weight), {}) and "expanded" not in timing_key(op, (plain, weight), {})
-    with FakeTensorMode():  # a size-1 dimension's stride is no expansion
-        single = torch.empty(4, 1, 64).expand(4, 1, 64)
-    assert "expanded" not in timing_key(op, (single, weight), {})
+    with FakeTensorMode():  # a size-1 dimension of stride 0 is no expansion; nor are expanded indices
+        single = torch.empty(4, 1, 64).expand(4, 3, 64)[:, :1]
+        ids = torch.empty(4, 1, dtype=torch.long).expand(4, 16)
+    assert single.stride() == (64, 0, 1) and "expanded" not in timing_key(op, (single, weight), {})
+    assert "expanded" not in timing_key(torch.ops.aten.add.Tensor, (ids, ids), {})
 
 
 def test_calibration_runs_other_work_between_checkpointed_calls():

@@ -396,8 +396,10 @@ def timing_key(func, args, kwargs) -> str:
     """The key a CPU op timing is kept under (:class:`autosac.trace.timings.TimingCache`):
     the op, its tensors' shapes, strides and dtypes, its other arguments, the inputs' values."""
     shapes = _shape_key((args, kwargs))
-    # an expanded input's op is timed since host-costs-v30 (before: by the roofline, and cached as timed)
-    expanded = any(isinstance(x, tuple) and any(st == 0 and n > 1 for n, st in zip(x[0], x[1])) for x in shapes)
+    # an op on an expanded floating input is timed since host-costs-v30 (before, its input could not be
+    # filled: priced by the roofline, and cached as timed)
+    expanded = any(isinstance(x, tuple) and (x[2].is_floating_point or x[2].is_complex) and 0 not in x[0]
+                   and any(st == 0 and n > 1 for n, st in zip(x[0], x[1])) for x in shapes)
     return repr((str(func), shapes, TIMED_INPUTS, *(("expanded",) if expanded else ())))
 
 
