@@ -123,8 +123,10 @@ def test_noisy_host_figures_are_used_for_an_hour_then_measured_again(fresh, monk
     monkeypatch.setattr(host, "_measure", lambda: calls.append(1) or noisy)
     with caplog.at_level(logging.WARNING, logger="autosac"):
         assert host.calibrate() == CLEAN
-    said = [r.getMessage() for r in caplog.records if "busy" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "host costs" in r.getMessage()]
     assert len(said) == 1 and "op_us varied" in said[0] and "AUTOSAC_REMEASURE=1" in said[0]
+    # figures that drifted between rounds on a machine seen quiet did not settle; it was not "busy"
+    assert "host costs did not settle" in said[0] and "busy" not in said[0]
     table = json.loads(cache_path().read_text())
     assert table[host.NOISY_KEY] > time.time() and host.noisy_until() == table[host.NOISY_KEY]  # not clean (0)
     _new_process(monkeypatch)
@@ -153,6 +155,7 @@ def test_the_calibration_marks_its_figures_noisy_when_its_thread_shares_a_core(f
     got = host._measure(rounds=2, max_rounds=4)
     assert got.rounds == 4 and len(shares) == 5  # a warm-up, two rounds, doubled once
     assert "the measuring thread had 50% of a core" in got.noisy, got.noisy
+    assert got.busy
     assert got.costs.op_us > 0
 
 
@@ -182,6 +185,7 @@ def test_the_call_gap_figure_is_measured_in_the_rounds_and_checked_for_noise(fre
     assert any("call_gap_us" in reason for reason in got.noisy), got.noisy
     assert "the thread timing selective_us_per_mib had 70% of a core" in got.noisy
     assert "selective_us_per_mib's even and odd rounds differed by more than 10%" in got.noisy
+    assert got.busy  # its thread had 70 % of a core
     # a plain call's per-MiB machinery is no longer measured (autosac.tools.calibration_size says why)
     assert got.costs.checkpoint_us_per_mib == 0.0 and got.costs.selective_us_per_mib == 20.0
 
@@ -544,12 +548,13 @@ def test_a_noisy_measurement_keeps_the_clean_figures_measured_before(fresh, monk
     assert host.calibrate() == CLEAN
     _new_process(monkeypatch)
     garbage = HostCosts(op_us=10.0, selective_op_us=137.0, backward_untimed_us=-2.0)
-    noisy = Measured(garbage, ("other processes kept 1.0 of 2 cores busy beside 2 torch threads",), 16)
+    noisy = Measured(garbage, ("other processes kept 1.0 of 2 cores busy beside 2 torch threads",), 16, busy=True)
     monkeypatch.setattr(host, "_measure", lambda: noisy)
     with caplog.at_level(logging.WARNING, logger="autosac"):
         assert host.calibrate(force=True) == CLEAN
-    said = [r.getMessage() for r in caplog.records if "busy" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "host costs" in r.getMessage()]
     assert len(said) == 1 and "quiet machine before are kept" in said[0]
+    assert said[0].startswith("autosac: this machine was busy while measuring its host costs")
     assert host.noisy_until() is None  # still clean
     _new_process(monkeypatch)
     monkeypatch.setattr(host, "_measure", lambda: pytest.fail("the cached clean figures are used"))
@@ -571,6 +576,7 @@ def test_the_calibration_is_noisy_where_other_processes_took_its_threads_cores(f
     finally:
         torch.set_num_threads(threads)
     assert got.noisy and "other processes kept 1.0 of 2 cores busy beside 2 torch threads" in got.noisy[-1]
+    assert got.busy
 
 
 def test_timings_are_kept_apart_per_c_allocator_setting(fresh, monkeypatch):

@@ -322,8 +322,8 @@ def cmd_calibrate(args) -> int:
         print(f"{name:28s} {'-' if value is None else f'{value:.3f} {unit}'}")
     until = host.noisy_until()
     if until:
-        print(f"measured on a busy machine: measured again after {time.strftime('%H:%M', time.localtime(until))}, "
-              "or now with autosac calibrate --remeasure")
+        print(f"measured while the figures did not settle (a busy or drifting machine): measured again after "
+              f"{time.strftime('%H:%M', time.localtime(until))}, or now with autosac calibrate --remeasure")
     return 0
 
 

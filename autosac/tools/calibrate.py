@@ -125,11 +125,16 @@ _CALIBRATED: HostCosts | None = None
 
 
 class Measured(NamedTuple):
-    """What :func:`_measure` found: the figures, why they are noisy (empty: clean), after how many rounds."""
+    """What :func:`_measure` found: the figures, why they are noisy (empty:
+    clean), after how many rounds, and whether the machine was seen busy (its
+    thread short of a core, other processes on the cores it needed) -- noisy
+    without that, the figures only did not settle (on a quiet 2-core VM, 4 of
+    4 calibrations of the 24th session: each one's figures drift between rounds)."""
 
     costs: HostCosts
     noisy: tuple[str, ...] = ()
     rounds: int = 0
+    busy: bool = False
 
 
 def calibrate(force: bool = False) -> HostCosts:
@@ -231,8 +236,9 @@ def _settled(cache, got: Measured) -> tuple[HostCosts, HostCosts | None]:
         remember(cache, got.costs)
         kept = recalled(cache) or [got.costs]
     logging.getLogger("autosac").warning(
-        "autosac: this machine was busy while measuring its host costs (%s, after %d rounds): %s",
-        "; ".join(got.noisy), got.rounds,
+        "autosac: %s (%s, after %d rounds): %s",
+        "this machine was busy while measuring its host costs" if got.busy else
+        "this machine's host costs did not settle while measuring them", "; ".join(got.noisy), got.rounds,
         "the figures measured on a quiet machine before are kept" if clean is not None else
         f"plans use each figure's median over the last {len(kept)} such measurements, and they are measured "
         f"again after {NOISY_LIFETIME_S / 3600:g} h, or at once with AUTOSAC_REMEASURE=1 or "
@@ -325,32 +331,34 @@ def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, r
     scale = functools.partial(_scale, gap_roots=models["tiny"]["gap_roots"])
     got = steady(lambda: _take_round(variants, inputs, kernels=kernels), lambda taken: _estimate(models, taken), scale,
                  rounds=rounds, max_rounds=max_rounds, deadline_s=deadline_s)
-    reasons = []
+    reasons, busy = [], []
     if got.disagreeing:
         reasons.append(f"{', '.join(got.disagreeing)} varied by more than {TOLERANCE:.0%} between rounds")
     if got.share < MIN_SHARE:
-        reasons.append(f"the measuring thread had {got.share:.0%} of a core")
-    busy, threads = others(), torch.get_num_threads()
-    if contended(threads, busy):
-        reasons.append(f"other processes kept {busy:.1f} of {os.cpu_count()} cores busy beside {threads} torch threads")
+        busy.append(f"the measuring thread had {got.share:.0%} of a core")
+    cores, threads = others(), torch.get_num_threads()
+    if contended(threads, cores):
+        busy.append(f"other processes kept {cores:.1f} of {os.cpu_count()} cores busy beside {threads} torch threads")
     figures = {**got.figures, **_apart_figures(models, inputs[("shallow", "none")])}
     figures = _without_gaps(figures, models)
     if figures.get("large_op_bytes"):
         figures["cold_read_us_per_mib"] = _cold_read_us_per_mib(figures["small_op_bytes"], figures["large_op_bytes"])
-        figures["selective_us_per_mib"] = _size_figure("selective_us_per_mib", selective_us_per_mib, figures, reasons)
-    return Measured(HostCosts(**figures), tuple(reasons), got.rounds)
+        figures["selective_us_per_mib"] = _size_figure("selective_us_per_mib", selective_us_per_mib, figures, reasons,
+                                                       busy)
+    return Measured(HostCosts(**figures), (*reasons, *busy), got.rounds, busy=bool(busy))
 
 
-def _size_figure(name: str, measure, figures: dict, reasons: list[str]) -> float:
+def _size_figure(name: str, measure, figures: dict, reasons: list[str], busy: list[str]) -> float:
     """A per-MiB machinery figure measured in place (:mod:`autosac.tools.calibration_size`),
-    with why it is noisy added to ``reasons``; 0 where it could not be measured."""
+    with why it is noisy added to ``reasons`` (to ``busy``: its thread short of a core);
+    0 where it could not be measured."""
     try:
         size = measure(figures)
     except Exception as e:  # noqa: BLE001 - one figure lost, not every figure: priced without it
         reasons.append(f"{name} could not be measured ({type(e).__name__}: {e})")
         return 0.0
     if 0 < size.share < MIN_SHARE:  # its rounds are its own: beside other work it read 0-150 us/MiB, 102-115 alone
-        reasons.append(f"the thread timing {name} had {size.share:.0%} of a core")
+        busy.append(f"the thread timing {name} had {size.share:.0%} of a core")
     if not size.steady:
         reasons.append(f"{name}'s even and odd rounds differed by more than {TOLERANCE:.0%}")
     return size.us_per_mib
