@@ -38,7 +38,7 @@ import predict_suite  # noqa: E402
 
 import autosac  # noqa: E402
 from autosac.solver import plan_from_decisions  # noqa: E402
-from autosac.tools import calibrate  # noqa: E402
+from autosac.tools import calibrate, calibration_apart  # noqa: E402
 
 MODELS = {"mlp": "blocks", "autosac-gpt2": "blocks", "autosac-llama": "layers", "hf-llama": "model.layers", "hf-gpt2": "transformer.h"}
 
@@ -105,7 +105,8 @@ def main(argv: list[str]) -> int:
         print(f"{name:14s} {r['blocks']} blocks  all: {r['all']:5.0f} / {r['all_predicted']:5.0f} us   "
               f"one alone: {r['one']:5.0f} / {r['one_predicted']:5.0f} us", flush=True)
     models, _, inputs = calibrate._benchmark()
-    figures = [calibrate._call_gap_us(models["tiny"], inputs[("shallow", "none")]) for _ in range(3)]
+    x = inputs[("shallow", "none")]
+    figures = [calibration_apart.apart_figures(models, x, rounds=12)["call_gap_us"] for _ in range(3)]
     print("the calibration's call_gap_us, three measurements:", ", ".join(f"{f:.1f}" for f in figures), "us")
     return 0
 

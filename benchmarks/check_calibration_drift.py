@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from autosac.core.opkinds import is_view_op
-from autosac.tools import calibrate
+from autosac.tools import calibrate, calibration_figures
 from autosac.trace.costs import real_inputs, timing_key
 from autosac.trace.timings import TimingCache
 
@@ -98,7 +98,7 @@ def main(sets: int = 2) -> None:
         timeline.ms[:] = [ms * ratio[phase if phase == "backward" else "forward"]
                           for ms, phase in zip(cached, timeline.phases)]
         try:
-            return calibrate._round_figures(models, samples)
+            return calibration_figures.round_figures(models, samples)
         finally:
             timeline.ms[:] = cached
 
@@ -109,7 +109,7 @@ def main(sets: int = 2) -> None:
             samples, _ = calibrate._take_round(variants, inputs)
             ratio = speed(ops)
             ratios.append(ratio["forward"])
-            raw.append(calibrate._round_figures(models, samples))
+            raw.append(calibration_figures.round_figures(models, samples))
             scaled.append(scaled_figures(samples, ratio))
 
         def med(rows, k):

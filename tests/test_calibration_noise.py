@@ -19,6 +19,8 @@ import autosac
 from autosac.core import noise
 from autosac.core.host import HostCosts
 from autosac.tools import calibrate as host
+from autosac.tools import calibration_apart as apart
+from autosac.tools import calibration_figures as figures_of
 from autosac.tools.calibrate import Measured
 from autosac.tools.calibration_size import SizeFigure
 from autosac.trace import costs, timings
@@ -84,7 +86,7 @@ def test_a_thread_without_a_whole_core_is_noisy_even_when_its_rounds_agree():
 def test_small_per_op_figures_are_judged_against_an_op_call():
     a = {"op_us": 10.0, "backward_untimed_us": 0.2, "checkpoint_call_us": 100.0}
     b = {"op_us": 10.2, "backward_untimed_us": -0.3, "checkpoint_call_us": 125.0}
-    assert noise.disagreeing(a, b, host._scale) == ("checkpoint_call_us",)
+    assert noise.disagreeing(a, b, figures_of.scale) == ("checkpoint_call_us",)
 
 
 def test_an_op_is_timed_again_until_its_two_least_samples_agree(monkeypatch):
@@ -150,7 +152,7 @@ def test_the_calibration_marks_its_figures_noisy_when_its_thread_shares_a_core(f
         shares.append(share)
         return samples, 0.5
     monkeypatch.setattr(host, "_take_round", half_a_core)
-    monkeypatch.setattr(host, "_cold_read_us_per_mib", lambda small, large: 40.0)  # not what this checks
+    monkeypatch.setattr(host, "cold_read_us_per_mib", lambda small, large: 40.0)  # not what this checks
     monkeypatch.setattr(host, "selective_us_per_mib", lambda figures: SizeFigure(20.0, 1.0))
     got = host._measure(rounds=2, max_rounds=4)
     assert got.rounds == 4 and len(shares) == 5  # a warm-up, two rounds, doubled once
@@ -177,7 +179,7 @@ def test_the_call_gap_figure_is_measured_in_the_rounds_and_checked_for_noise(fre
         return samples, 1.0
 
     monkeypatch.setattr(host, "_take_round", lone_call_slow_every_other_round)
-    monkeypatch.setattr(host, "_cold_read_us_per_mib", lambda small, large: 40.0)  # not what this checks
+    monkeypatch.setattr(host, "cold_read_us_per_mib", lambda small, large: 40.0)  # not what this checks
     # the per-MiB machinery figure times its own rounds: its thread's share of a core is judged too
     monkeypatch.setattr(host, "selective_us_per_mib", lambda figures: SizeFigure(20.0, 0.7, steady=False))
     got = host._measure(rounds=2, max_rounds=2)
@@ -192,13 +194,13 @@ def test_the_call_gap_figure_is_measured_in_the_rounds_and_checked_for_noise(fre
 
 def test_the_call_gap_figure_is_judged_against_the_lone_call_it_prices():
     figures = {"op_us": 10.0, "checkpoint_call_us": 300.0, "call_gap_us": 15.0}
-    assert host._scale(figures, "op_us") == 10.0 and host._scale(figures, "saved_tensor_us") == 0.0
-    assert host._scale(figures, "call_gap_us", gap_roots=50.0) == 300.0 / 50.0 + 15.0
-    assert host._scale(figures, "call_gap_us") == 0.0  # no gap measured: against itself
+    assert figures_of.scale(figures, "op_us") == 10.0 and figures_of.scale(figures, "saved_tensor_us") == 0.0
+    assert figures_of.scale(figures, "call_gap_us", gap_roots=50.0) == 300.0 / 50.0 + 15.0
+    assert figures_of.scale(figures, "call_gap_us") == 0.0  # no gap measured: against itself
     # 15 against 17 us: within 10 % of 6 + 15 (a lone call's 1050 us moved by 100), not of 17 alone
     a, b = dict(figures), {**figures, "call_gap_us": 17.0}
-    assert noise.disagreeing(a, b, lambda f, n: host._scale(f, n, gap_roots=50.0)) == ()
-    assert noise.disagreeing(a, b, host._scale) == ("call_gap_us",)
+    assert noise.disagreeing(a, b, lambda f, n: figures_of.scale(f, n, gap_roots=50.0)) == ()
+    assert noise.disagreeing(a, b, figures_of.scale) == ("call_gap_us",)
 
 
 def test_inside_retimed_each_op_is_timed_again_once_and_kept_as_measured(fresh):
@@ -564,8 +566,8 @@ def test_a_noisy_measurement_keeps_the_clean_figures_measured_before(fresh, monk
 def test_the_calibration_is_noisy_where_other_processes_took_its_threads_cores(fresh, monkeypatch):
     monkeypatch.setattr(host, "others_meter", lambda: lambda: 1.0)  # another process kept a core busy
     # the figures measured apart from the rounds are not what this checks (38 s of a suite on 2 threads)
-    monkeypatch.setattr(host, "_apart_figures", lambda models, x: {"call_gap_us": 10.0, "state_item_us": 0.2})
-    monkeypatch.setattr(host, "_cold_read_us_per_mib", lambda small, large: 40.0)
+    monkeypatch.setattr(host, "apart_figures", lambda models, x: {"call_gap_us": 10.0, "state_item_us": 0.2})
+    monkeypatch.setattr(host, "cold_read_us_per_mib", lambda small, large: 40.0)
     monkeypatch.setattr(host, "selective_us_per_mib", lambda figures: SizeFigure(20.0, 1.0))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -603,7 +605,7 @@ def test_each_figure_is_the_median_of_its_rounds_figures(fresh):
     host._take_round(variants, inputs)  # warm-up
     for _ in range(6):  # a round taken beside a busy suite can clamp the call's figure at 0 (one CI run):
         real, _ = host._take_round(variants, inputs)  # then no mixing can be seen to move it
-        if host._estimate(models, [real])["checkpoint_call_us"] > 0:
+        if figures_of.estimate(models, [real])["checkpoint_call_us"] > 0:
             break
 
     def scaled(factor, only=None):
@@ -614,11 +616,11 @@ def test_each_figure_is_the_median_of_its_rounds_figures(fresh):
     # for 68.878: a figure need not move monotonically with the drift (differences clamped at
     # zero, set against kernel times that do not drift), so three others could lie on one side
     rounds = [scaled(1.0), scaled(1.3), scaled(1.0), scaled(0.8), scaled(1.0), scaled(0.7, only="whole"), scaled(1.0)]
-    steady = host._estimate(models, [real])
+    steady = figures_of.estimate(models, [real])
     assert steady["checkpoint_call_us"] > 0, "six rounds in a row clamped the call's figure at 0: a machine too busy"
-    assert host._estimate(models, rounds) == steady
+    assert figures_of.estimate(models, rounds) == steady
     least_apart = {k: [min((s for r in rounds for s in r[k]), key=lambda s: s[1])] for k in real}
-    mixed = host._estimate(models, [least_apart])  # the least of each variant, from any round: as before
+    mixed = figures_of.estimate(models, [least_apart])  # the least of each variant, from any round: as before
     assert abs(mixed["checkpoint_call_us"] / steady["checkpoint_call_us"] - 1) > 0.2
 
 
@@ -628,13 +630,13 @@ def test_a_lone_call_measured_beyond_its_calls_sum_is_capped(fresh):
     and ``checkpoint_call_us`` 0), a quiet machine's is kept as measured."""
     models, _, _ = host._benchmark(regions=2)
     figures = {"checkpoint_call_us": 400.0, "saved_tensor_us": 20.0, "call_gap_us": 1000.0, "state_item_us": 0.2}
-    capped = host._without_gaps(dict(figures), models)
+    capped = figures_of.without_gaps(dict(figures), models)
     assert 0 < capped["call_gap_us"] < 1000.0 and capped["checkpoint_call_us"] >= 0
     tiny = models["tiny"]
     gap_part = capped["call_gap_us"] * host._gap_roots(tiny, tiny["regions"]) / tiny["blocks"]
     own = 400.0 + 20.0 * tiny["stats"].modules["0"].saved_tensors[0] - 0.2 * tiny["stats"].modules["0"].state_items
     assert gap_part == pytest.approx(0.9 * own, rel=1e-3)
-    assert host._without_gaps({**figures, "call_gap_us": 1.0}, models)["call_gap_us"] == 1.0
+    assert figures_of.without_gaps({**figures, "call_gap_us": 1.0}, models)["call_gap_us"] == 1.0
 
 
 def test_the_large_models_kernels_are_timed_in_each_round_beside_its_steps():
@@ -661,7 +663,7 @@ def test_the_large_models_kernels_are_timed_in_each_round_beside_its_steps():
     forwards = {"none": fw_ms + 1.0, "kernels": fw_ms}  # the forward 1 ms longer than its kernels this round
     # the backward 2 ms longer than its kernels this round
     times = {"none": fw_ms + 1.0 + 5.0, "kernels": fw_ms + 3.0, "whole": 0.0, "twice": 0.0}
-    fig = host._figures(setup, times, forwards)
+    fig = figures_of.model_figures(setup, times, forwards)
     ops = sum(1 for phase in tl.phases if phase != "backward")
     backward_ops = len(tl.phases) - ops
     assert fig["untimed_op_us"] == pytest.approx(1e3 / ops)
@@ -681,7 +683,7 @@ def test_a_calibration_models_kernels_must_be_its_traced_ops_else_the_traced_tim
     monkeypatch.setattr(cm, "StepKernels", other_ops)
     with pytest.warns(UserWarning, match="as traced instead"):
         setup, x = cm._large_models()
-    assert "kernels" not in setup  # the calibration goes on, its kernels as traced (calibrate._figures)
+    assert "kernels" not in setup  # the calibration goes on, its kernels as traced (calibration_figures.model_figures)
     samples, _ = host._take_round({("large", "none"): setup["variants"]["none"]}, x, kernels=setup.get("kernels"))
     assert ("large", "kernels") not in samples
 
@@ -704,11 +706,11 @@ def test_the_figures_timed_apart_take_one_sample_each_per_round_and_their_median
         order.append("state")
         return next(bursts)
 
-    monkeypatch.setattr(host, "_call_gap_round", gap_round)
-    monkeypatch.setattr(host, "_state_burst_us", burst)
+    monkeypatch.setattr(apart, "_call_gap_round", gap_round)
+    monkeypatch.setattr(apart, "_state_burst_us", burst)
     region = nn.Linear(2, 2)
     models = {"tiny": {"gap_roots": 10.0}, "deep": {"variants": {"twice": [type("R", (), {"region": region})()]}}}
-    got = host._apart_figures(models, torch.zeros(1), rounds=4)
+    got = apart.apart_figures(models, torch.zeros(1), rounds=4)
     assert order == ["gap", "state"] * 5  # interleaved, the warm-up's pair not counted
     assert got == {"call_gap_us": 25.0, "state_item_us": 0.25}  # medians of (100, 300, 200, 5000) / 10, (.5, .1, .3, .2)
 
@@ -719,9 +721,9 @@ def test_each_rounds_figures_are_brought_to_the_rounds_typical_speed():
     per_round = [{"op_us": 10.0, "checkpoint_call_us": 200.0, "backward_untimed_us": -2.0, "large_op_bytes": 8e5},
                  {"op_us": 16.0, "checkpoint_call_us": 320.0, "backward_untimed_us": -3.2, "large_op_bytes": 8e5},
                  {"op_us": 10.0, "checkpoint_call_us": 200.0, "backward_untimed_us": -2.0, "large_op_bytes": 8e5}]
-    got = host._at_typical_speed(per_round, [100.0, 160.0, 100.0])
+    got = figures_of.at_typical_speed(per_round, [100.0, 160.0, 100.0])
     for f in got:
         assert f["op_us"] == pytest.approx(10.0) and f["checkpoint_call_us"] == pytest.approx(200.0)
         assert f["backward_untimed_us"] == pytest.approx(-2.0)
         assert f["large_op_bytes"] == 8e5  # bytes are no time: as they are
-    assert host._round_ms({"a": [(1.0, 5.0), (1.0, 4.0)], ("large", "kernels"): [(3.0, 3.0)]}) == 7.0
+    assert figures_of.round_ms({"a": [(1.0, 5.0), (1.0, 4.0)], ("large", "kernels"): [(3.0, 3.0)]}) == 7.0

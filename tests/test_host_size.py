@@ -333,14 +333,14 @@ def test_the_calibration_counts_what_its_checkpointed_regions_replay_skips_as_no
     twice: the replay stops before the last ops the twice-run region runs (the
     tiny region's GELU saves its input, so its kernel never re-runs), so their
     time goes back in -- else the per-call figure reads low by it."""
-    from autosac.tools.calibrate import _figures
+    from autosac.tools.calibration_figures import model_figures
     from autosac.tools.calibration_models import _calibration_models, _tiny
 
     setup = _calibration_models(lambda: _tiny(64), 2, torch.randn(2, 32, 64))
     m, tl = setup["stats"].modules["0"], setup["stats"].timeline
     w0, w1 = m.fw_windows[0]
     assert tl.ops[m.replay_end():w1] == ["gelu"]
-    got = _figures(setup, {"whole": 5.0, "twice": 5.0}, {})  # no machinery measured at all
+    got = model_figures(setup, {"whole": 5.0, "twice": 5.0}, {})  # no machinery measured at all
     assert got["skipped_ops"] == 0  # the op it stops in is dispatched: only its kernel is skipped
     assert got["mechanism_us"] == pytest.approx(tl.ms[w1 - 1] * 1e3)
     assert got["mechanism_us"] > 0

@@ -24,8 +24,8 @@ CACHE_KEY = "host-costs-v30"  # bump when the micro-benchmark changes (v12: a la
 # v23: the machinery's per-MiB figures weigh an op no more than the large calibration's typical one;
 # v24: selective_us_per_mib measured in place, autosac.tools.calibration_size;
 # v25: the op figures' per-MiB extras capped as the machinery's, fitted so;
-# v26: state_item_us timed in bursts spread over call_gap_us's rounds, autosac.tools.calibrate._apart_figures;
-# v27: each round's figures brought to the rounds' typical speed, autosac.tools.calibrate._at_typical_speed;
+# v26: state_item_us timed in bursts spread over call_gap_us's rounds, autosac.tools.calibration_apart.apart_figures;
+# v27: each round's figures brought to the rounds' typical speed, autosac.tools.calibration_figures.at_typical_speed;
 # v28: checkpoint_us_per_mib no longer measured, autosac.tools.calibration_size;
 # v29: the large model's backward kernels timed in each round; an op's per-MiB extra capped at the large
 # calibration's largest op, largest_op_bytes, not at its typical one;

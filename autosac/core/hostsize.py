@@ -128,7 +128,7 @@ def largest_bytes(stats) -> float:
 def fit_extras(small: dict, large: dict, stats, small_bytes: float, large_bytes: float,
                largest: float = 0.0) -> dict[str, float]:
     """The large-size extras, microseconds per MiB an op makes, from
-    both calibrations' figures (:func:`autosac.tools.calibrate._figures`; ``small`` as
+    both calibrations' figures (:func:`autosac.tools.calibration_figures.model_figures`; ``small`` as
     estimated, ``large`` raw) and the large model's trace: each such that
     the small figure on every op plus its :func:`op_extra_us` (up to
     ``largest`` bytes) gives the large model's measured total."""

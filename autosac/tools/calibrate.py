@@ -61,7 +61,7 @@ own, whatever the kernels cost:
   ``checkpoint_call_us`` and ``saved_tensor_us`` are a call's with no gap.
 * ``state_item_us``: each container and entry of Python state a
   checkpointed call captures, swaps in for its replay and puts back
-  (:mod:`autosac.core.pystate`; :func:`_state_burst_us`): a transformers
+  (:mod:`autosac.core.pystate`; :func:`autosac.tools.calibration_apart._state_burst_us`): a transformers
   block's attributes and config cost more than a small block's.
 
 :func:`calibrate` measures them on this machine with a micro-benchmark
@@ -76,6 +76,11 @@ the last five such calibrations (:mod:`autosac.tools.calibration_history`);
 ``AUTOSAC_REMEASURE=1`` measure them again.  A plan for another host
 states its figures: ``DeviceSpec(..., host=HostCosts(op_us=..., ...))``.
 
+Here: the cache and the noise policy, the micro-benchmark's rounds
+(:func:`_measure`); from timed rounds to figures,
+:mod:`autosac.tools.calibration_figures`; the figures timed apart,
+:mod:`autosac.tools.calibration_apart`.
+
 This module measures the applier (stage 3) for the trace (stage 1): it imports
 the pipeline only inside :func:`calibrate`, and no stage imports it back but
 the trace, for its figures.
@@ -87,13 +92,11 @@ import functools
 import gc
 import logging
 import os
-import statistics
 import time
 import warnings
 from typing import NamedTuple
 
 import torch
-from torch import nn
 
 from autosac.core.cache import machine_lock
 from autosac.core.host import (  # noqa: F401 - the data, kept importable here as before
@@ -117,8 +120,10 @@ from autosac.core.noise import (
     share_meter,
     steady,
 )
+from autosac.tools.calibration_apart import apart_figures, cold_read_us_per_mib
+from autosac.tools.calibration_figures import estimate, scale, without_gaps
 from autosac.tools.calibration_history import median_costs, recalled, remember
-from autosac.tools.calibration_models import _Block, _calibration_models, _gap_roots, _large_models, _tiny, replay_skips
+from autosac.tools.calibration_models import _Block, _calibration_models, _gap_roots, _large_models, _tiny
 from autosac.tools.calibration_size import selective_us_per_mib
 
 _CALIBRATED: HostCosts | None = None
@@ -153,7 +158,7 @@ def calibrate(force: bool = False) -> HostCosts:
     machinery); and the shallow model again at width 256 (4x128, two regions),
     for the per-MiB figures (:mod:`autosac.core.hostsize`).  Rounds of one
     CPU-time sample of each variant in turn; each round's figures from its
-    own samples, then each figure's median over the rounds (:func:`_estimate`);
+    own samples, then each figure's median over the rounds (:func:`autosac.tools.calibration_figures.estimate`);
     then, apart, the per-MiB machinery figure inside one step
     (:mod:`autosac.tools.calibration_size`, about 5 s); 25-35 s on this
     2-core machine.
@@ -328,8 +333,8 @@ def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, r
     kernels = models["large"].get("kernels")
     _take_round(variants, inputs, kernels=kernels)  # warm-up
     others = others_meter()
-    scale = functools.partial(_scale, gap_roots=models["tiny"]["gap_roots"])
-    got = steady(lambda: _take_round(variants, inputs, kernels=kernels), lambda taken: _estimate(models, taken), scale,
+    against = functools.partial(scale, gap_roots=models["tiny"]["gap_roots"])
+    got = steady(lambda: _take_round(variants, inputs, kernels=kernels), lambda taken: estimate(models, taken), against,
                  rounds=rounds, max_rounds=max_rounds, deadline_s=deadline_s)
     reasons, busy = [], []
     if got.disagreeing:
@@ -339,10 +344,10 @@ def _measure(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32, r
     cores, threads = others(), torch.get_num_threads()
     if contended(threads, cores):
         busy.append(f"other processes kept {cores:.1f} of {os.cpu_count()} cores busy beside {threads} torch threads")
-    figures = {**got.figures, **_apart_figures(models, inputs[("shallow", "none")])}
-    figures = _without_gaps(figures, models)
+    figures = {**got.figures, **apart_figures(models, inputs[("shallow", "none")])}
+    figures = without_gaps(figures, models)
     if figures.get("large_op_bytes"):
-        figures["cold_read_us_per_mib"] = _cold_read_us_per_mib(figures["small_op_bytes"], figures["large_op_bytes"])
+        figures["cold_read_us_per_mib"] = cold_read_us_per_mib(figures["small_op_bytes"], figures["large_op_bytes"])
         figures["selective_us_per_mib"] = _size_figure("selective_us_per_mib", selective_us_per_mib, figures, reasons,
                                                        busy)
     return Measured(HostCosts(**figures), (*reasons, *busy), got.rounds, busy=bool(busy))
@@ -383,300 +388,6 @@ def _benchmark(regions: int = 6, width: int = 64, batch: int = 2, seq: int = 32)
     variants = {(size, k): m for size, setup in models.items() for k, m in setup["variants"].items()}
     inputs = {key: x_large if key[0] == "large" else x for key in variants}
     return models, variants, inputs
-
-
-def _apart_figures(models: dict, x: torch.Tensor, rounds: int = 40) -> dict[str, float]:
-    """``call_gap_us`` (:func:`_call_gap_round`) and ``state_item_us``
-    (:func:`_state_burst_us`), measured apart from the main rounds but in
-    rounds of their own, one sample of each per round: on this VM the same
-    work ran at two speeds, 1.6-2x apart, switching every few seconds (a
-    Python loop 2.5-5.5 ms, a small model's step 4.3-11 ms over three
-    minutes, ``benchmarks/machine_drift.py``), so a figure timed in one
-    burst of a second read one speed (``state_item_us`` 0.24-0.42 us over
-    five calibrations of one hour, the other figures as the main rounds'
-    mix); spread over the rounds, each is the median over the same mix."""
-    tiny, deep = models["tiny"], models["deep"]
-    gap = _call_gap_round(tiny, x)
-    region = deep["variants"]["twice"][0].region
-    gap(), _state_burst_us(region, x)  # warm-up
-    taken = [(gap(), _state_burst_us(region, x)) for _ in range(rounds)]
-    roots = tiny["gap_roots"]
-    extra = statistics.median(g for g, _ in taken)
-    return {"call_gap_us": round(max(0.0, extra / roots), 3) if roots > 0 else 0.0,
-            "state_item_us": round(statistics.median(s for _, s in taken), 4)}
-
-
-def _call_gap_round(setup: dict, x: torch.Tensor):
-    """One round of ``call_gap_us`` (:meth:`HostCosts.gap_us`), made for
-    ``setup``, the tiny calibration model (24 small regions, each followed
-    by a transformer block): each call returns what its middle region
-    checkpointed alone costs beyond each call of all of them checkpointed,
-    each set against its forward run twice, in us (:func:`_apart_figures`
-    divides the median by the square roots of op calls more that run between
-    the machinery's runs, :func:`autosac.core.host.gap_roots`: one call
-    alone finds it colder).  Measured here: 9-19 us per root (the shallow
-    model's six blocks, 32 roots apart against the tiny model's 65, read
-    2.5-8.6 us).  The figure used: the main rounds' own estimate of it
-    (:func:`_gap_us`, 12 rounds) checks it for noise, but beside a busy
-    machine it read 29-38 us and left ``checkpoint_call_us`` 0."""
-    import copy
-
-    blocks, made = setup["blocks"], setup["variants"]  # copies of the rounds' variants: their own warm state
-    variants = {"all": copy.deepcopy(made["whole"]), "twice_all": copy.deepcopy(made["twice"]),
-                "one": copy.deepcopy(made["one"]), "twice_one": copy.deepcopy(made["twice_one"])}
-
-    def step(k: str) -> float:  # as the main rounds: forward and backward, no optimizer (as the trace)
-        t = time.thread_time()
-        variants[k](x).sum().backward()
-        variants[k].zero_grad(set_to_none=True)
-        return (time.thread_time() - t) * 1e6
-
-    def one_round() -> float:  # each round's own difference: the VM's drift moves a round's variants alike
-        t = {k: step(k) for k in variants}
-        return (t["one"] - t["twice_one"]) - (t["all"] - t["twice_all"]) / blocks
-
-    return one_round
-
-
-def _state_burst_us(region, x: torch.Tensor, repeats: int = 25) -> float:
-    """``state_item_us`` in one burst: what a checkpointed call's Python state
-    costs per item (:meth:`autosac.core.pystate.State.items`), timed on a
-    calibration model's ``region`` -- captured at its forward, captured
-    again and swapped in for the replay, put back after -- ``repeats`` times
-    back to back (warm: the cold part is in the other per-call figures)."""
-    from autosac.core.pystate import capture
-
-    args: tuple = (x,)
-    t = time.thread_time()
-    for _ in range(repeats):
-        state = capture(region, args, {})
-        after = state.recapture()
-        state.install()
-        after.install()
-    return (time.thread_time() - t) / repeats * 1e6 / max(1, state.items())
-
-
-# the most of the tiny model's each-of-all call its gap may take: more leaves no fixed cost, a split
-# only noise gives (a machine busy beside the calibration read call_gap_us 38 us, checkpoint_call_us 0)
-_GAP_SHARE = 0.9
-
-
-def _without_gaps(figures: dict, models: dict) -> dict:
-    """``checkpoint_call_us`` and ``saved_tensor_us`` as a call costs with no
-    op calls between it and the machinery's last run and no Python state to
-    capture: the rounds fit them to the tiny and the deep model's calls
-    (:func:`_round_figures`), each at its own gaps and with its own state;
-    ``call_gap_us`` and ``state_item_us`` price those (:meth:`HostCosts.checkpoint_ms`)."""
-    k, q = figures.get("call_gap_us", 0.0), figures.get("state_item_us", 0.0)
-    tiny = models["tiny"]
-    per_call = _gap_roots(tiny, tiny["regions"]) / tiny["blocks"]
-    own = figures["checkpoint_call_us"] + tiny["stats"].modules["0"].saved_tensors[0] * figures["saved_tensor_us"]
-    own -= q * tiny["stats"].modules["0"].state_items
-    if k * per_call > _GAP_SHARE * own > 0:  # a lone call measured slow beyond what its calls' sum allows
-        k = figures["call_gap_us"] = round(_GAP_SHARE * own / per_call, 3)
-    parts = {}
-    for name in ("tiny", "deep"):
-        setup = models[name]
-        m = setup["stats"].modules["0"]
-        n = m.saved_tensors[0]
-        whole = figures["checkpoint_call_us"] + n * figures["saved_tensor_us"]  # its call, as the rounds fit it
-        known = (k * _gap_roots(setup, setup["regions"]) / setup["blocks"] if k else 0.0) + q * m.state_items
-        parts[name] = (n, whole - known)
-    (n_t, tiny), (n_d, deep) = parts["tiny"], parts["deep"]
-    saved = max(0.0, (deep - tiny) / max(1, n_d - n_t))
-    return {**figures, "saved_tensor_us": round(saved, 3), "checkpoint_call_us": round(max(0.0, tiny - n_t * saved), 2)}
-
-
-def _cold_read_us_per_mib(small: float, large: float, tensors: int = 16, numel: int = 128 << 10,
-                          rounds: int = 9) -> float:
-    """``cold_read_us_per_mib`` (:mod:`autosac.core.coldread`): a real AdamW
-    step over ``tensors`` parameters of ``numel`` floats (8 MiB), timed after
-    writing a 128 MiB buffer (as a step's forward and backward pass through
-    the caches: at width 256 they write 80-145 MiB here, the built-in Llama
-    and transformers Qwen3) against run back to back (as the op timings call the ops),
-    per share-weighted MiB :class:`autosac.core.coldread.ColdReads` counts in
-    the ops it calls; medians of ``rounds``."""
-    import statistics
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from autosac.core.coldread import ColdReads
-    from autosac.core.hostsize import MIB
-    from autosac.core.optim import make_optimizer
-
-    params = [nn.Parameter(torch.rand(numel)) for _ in range(tensors)]
-    opt = make_optimizer("adamw", params)
-    evict = torch.empty(128 * MIB, dtype=torch.uint8)
-    counted = ColdReads()
-    mib = [0.0]
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            mib[0] += counted.mib(func, args, kwargs or {}, out, small, large)
-            return out
-
-    def step(cold: bool) -> float:
-        for p in params:
-            p.grad = torch.rand_like(p)
-        if cold:
-            evict.fill_(1)
-        t = time.thread_time()
-        opt.step()
-        return time.thread_time() - t
-
-    step(False)
-    with Count():
-        step(False)
-    cold, hot = [], []
-    for _ in range(rounds):
-        cold.append(step(True))
-        hot.append(min(step(False) for _ in range(3)))
-    extra_us = (statistics.median(cold) - statistics.median(hot)) * 1e6
-    return round(max(0.0, extra_us / mib[0]), 3) if mib[0] > 0 else 0.0
-
-
-def _estimate(models: dict, taken: list[dict]) -> dict[str, float]:
-    """The figures over the rounds ``taken``: each round's figures from the
-    least sample of each variant in it (:func:`_round_figures`), then each
-    figure's median over the rounds.  On this 2-core VM a step's time
-    drifts by 20-40 % over seconds, alike for the variants run next to each
-    other (lag-one correlation 0.55, between two variants 0.73): the least
-    time of each variant over all rounds came from different moments, and
-    figures made of their differences moved by up to 2x between
-    calibrations; a difference within one round, then the median, moved by
-    about 5 %.  A median is also what a step costs as measured (medians of
-    steps), where the least is one lucky moment.  Each round's figures are
-    first brought to the rounds' typical speed (:func:`_at_typical_speed`)."""
-    per_round = _at_typical_speed([_round_figures(models, samples) for samples in taken],
-                                  [_round_ms(samples) for samples in taken])
-    return {k: round(statistics.median(f[k] for f in per_round), 3) for k in per_round[0]}
-
-
-def _round_ms(samples: dict) -> float:
-    """A round's speed: the sum over its variants of each one's least step (ms)."""
-    return sum(min(s[1] for s in v) for v in samples.values())
-
-
-def _at_typical_speed(per_round: list[dict], round_ms: list[float]) -> list[dict]:
-    """Each round's time figures scaled by the rounds' median ``round_ms`` over
-    its own (byte figures as they are): this VM runs the same work at two
-    speeds 1.6-2x apart, switching every few seconds
-    (``benchmarks/machine_drift.py``), so a round is mostly at one of them,
-    and the figures' medians were a mix that moved between calibrations --
-    the figures of one calibration then no longer fit each other."""
-    typical = statistics.median(round_ms)
-    return [{k: v if k.endswith("_bytes") else v * typical / ms for k, v in f.items()}
-            for f, ms in zip(per_round, round_ms)]
-
-
-def _round_figures(models: dict, samples: dict) -> dict[str, float]:
-    """One round's figures from the least sample of each of its variants."""
-    least = {k: min(s[1] for s in v) for k, v in samples.items()}
-    least_fw = {k: min(s[0] for s in v) for k, v in samples.items()}
-    got = {size: _figures(setup, {k: t for (s, k), t in least.items() if s == size},
-                          {k: t for (s, k), t in least_fw.items() if s == size})
-           for size, setup in models.items()}
-    shallow, deep, tiny, large = got["shallow"], got["deep"], got["tiny"], got.get("large")
-    for f in (deep, tiny):  # the host time of the op calls a replay skips (see _figures)
-        f["mechanism_us"] += f["skipped_ops"] * shallow["op_us"]
-    if "alone_us" in tiny:
-        tiny["alone_us"] += tiny["skipped_ops"] * shallow["op_us"]
-    # per call: mechanism = call + saved * saved_tensor; the tiny call is nearly all
-    # per-call cost, the deep one saves many tensors
-    saved_us = max(0.0, (deep["mechanism_us"] - tiny["mechanism_us"]) / max(1, deep["saved"] - tiny["saved"]))
-    call_us = max(0.0, tiny["mechanism_us"] - tiny["saved"] * saved_us)
-    selective_us = max(0.0, shallow["selective_us"] / (2 * shallow["ops"]))
-    small = {"op_us": round(shallow["op_us"], 3), "checkpoint_call_us": round(call_us, 2),
-             "call_gap_us": round(_gap_us(models["tiny"], tiny), 3) if "alone_us" in tiny else 0.0,
-             "saved_tensor_us": round(saved_us, 3), "selective_op_us": round(selective_us, 3),
-             "untimed_op_us": round(shallow["untimed_op_us"], 3), "backward_op_us": round(shallow["backward_op_us"], 3),
-             "backward_untimed_us": round(shallow["backward_untimed_us"], 3),
-             "cast_hook_us": round(shallow.get("cast_us", 0.0), 3), "cast_remake_us": round(shallow.get("remake_us", 0.0), 3)}
-    return small if large is None else {**small, **_large_figures(models, small, large)}
-
-
-def _gap_us(setup: dict, tiny: dict) -> float:
-    """``call_gap_us`` (:meth:`HostCosts.gap_us`) in one round: what the tiny
-    model's middle region checkpointed alone (``setup["alone"]``) costs
-    beyond each call of all of them checkpointed (``tiny``: its round's
-    figures, each set against its forward run twice), per square root of the
-    op calls more that run between the machinery's runs
-    (:func:`autosac.core.host.gap_roots`): one call alone finds it colder.
-    Measured here: 9-19 us per root (may be negative in one round)."""
-    roots = setup["gap_roots"]
-    return (tiny["alone_us"] - tiny["mechanism_us"]) / roots if roots > 0 else 0.0
-
-
-def _large_figures(models: dict, small: dict, large: dict) -> dict[str, float]:
-    """The large-size extras, both sizes' typical op bytes and the large
-    size's largest op (:func:`autosac.core.hostsize.fit_extras`)."""
-    from autosac.core.hostsize import anchor_bytes, fit_extras, largest_bytes
-
-    stats = models["large"]["stats"]
-    small_bytes, large_bytes, largest = anchor_bytes(models["shallow"]["stats"]), anchor_bytes(stats), largest_bytes(stats)
-    extras = fit_extras(small, large, stats, small_bytes, large_bytes, largest)
-    return {"small_op_bytes": round(small_bytes), "large_op_bytes": round(large_bytes), "largest_op_bytes": largest,
-            **extras}
-
-
-def _scale(figures: dict[str, float], name: str, gap_roots: float = 0.0) -> float:
-    """What a figure's noise is measured against: an op call's host time for
-    the per-op figures (a small or signed part of it need not agree to 10 %
-    of itself); for ``call_gap_us``, the lone call it prices, per root of its
-    gap (``gap_roots``: how many more than each call of all); else the
-    figure itself."""
-    if name in _PER_OP:
-        return figures["op_us"]
-    if name == "call_gap_us" and gap_roots > 0:
-        return figures["checkpoint_call_us"] / gap_roots + abs(figures["call_gap_us"])
-    return 0.0
-
-
-def _figures(setup: dict, times: dict[str, float], forwards: dict[str, float]) -> dict:
-    """One calibration model's figures from its timed variants: the host time
-    per op, and per checkpointed call what the checkpoint adds beyond
-    re-running the forward (whole: against running each forward twice) and
-    what the selective path adds beyond that (against the whole path, less
-    the cached matmul it does not re-run).  ``times``: forward and backward;
-    ``forwards``: the forward alone.  Only differences of measured times, but
-    for that one matmul's traced time."""
-    stats, blocks = setup["stats"], setup["blocks"]
-    tl = stats.timeline
-    w0, w1 = stats.modules["0"].fw_windows[0]
-    # the replay skips what the forward run twice runs (:func:`replay_skips`): no part of the machinery; the
-    # host time of the skipped op calls ``skipped_ops`` is priced by :func:`_round_figures`
-    skipped_ms, skipped_ops = replay_skips(stats, "0")
-    out = {"ops": w1 - w0, "saved": stats.modules["0"].saved_tensors[0], "skipped_ops": skipped_ops,
-           "mechanism_us": (times["whole"] - times["twice"]) / blocks * 1e3 + skipped_ms * 1e3}
-    if "one" in times:  # the middle region's call alone among plain layers
-        out["alone_us"] = (times["one"] - times["twice_one"]) * 1e3 + replay_skips(stats, setup["alone"])[0] * 1e3
-    if "none" in times:
-        # the blocks are narrow: their kernels' compute is a small part of the step,
-        # which is nearly all host time (a slight overestimate of the host's part)
-        forward = [ms for ms, phase in zip(tl.ms, tl.phases) if phase != "backward"]
-        backward = [ms for ms, phase in zip(tl.ms, tl.phases) if phase == "backward"]
-        fw_ms, bw_ms = forwards["none"], times["none"] - forwards["none"]
-        # each phase's ops timed alone in this round (the large model), or as traced
-        kernels_ms = forwards.get("kernels", sum(forward))
-        backward_kernels_ms = times["kernels"] - forwards["kernels"] if "kernels" in times else sum(backward)
-        out["op_us"] = fw_ms * 1e3 / len(forward)
-        out["untimed_op_us"] = untimed_us = max(0.0, (fw_ms - kernels_ms) * 1e3 / len(forward))
-        out["backward_op_us"] = bw_ms * 1e3 / len(backward)
-        # negative where timing an op from Python counts more than the engine pays; bounded,
-        # so that kernel timings taken in a slow moment cannot make backward ops free
-        out["backward_untimed_us"] = max(-0.5 * out["backward_op_us"], (bw_ms - backward_kernels_ms) * 1e3 / len(backward))
-    if "casts" in times:  # every tensor the model's forward saves, packed and unpacked by the hook
-        saves = stats.modules[stats.root].saved_tensors[0]
-        out["cast_us"] = max(0.0, (times["casts"] - times["none"]) * 1e3 / max(1, saves))
-        ac_saves, ac_casts = setup["autocast_saves"]
-        remake = (times["ac_casts"] - times["ac_none"]) * 1e3 - ac_saves * out["cast_us"]
-        out["remake_us"] = max(0.0, remake / max(1, ac_casts) - setup["cast_op_us"])
-    if "selective" in times:  # its replay: the whole forward but the cached matmul
-        kept = next(e for e in range(w0, w1) if tl.ops[e] == "addmm")
-        kept_us = tl.ms[kept] * 1e3 + untimed_us
-        out["selective_us"] = (times["selective"] - times["whole"]) / blocks * 1e3 + kept_us
-    return out
 
 
 def _take_round(variants: dict, x: torch.Tensor, repeats: int = 1, kernels=None) -> dict:

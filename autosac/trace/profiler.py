@@ -162,23 +162,9 @@ def profile(
     assumed = None if routing is None else parse_routing(routing)
     refuse_sharded(model, world_size)
     units = resolve_shard_units(model, shard_units, world_size)
-    with generators_kept():  # timing real ops (and Python in the forward) must not move the user's seeded RNG
-        def traced(cost: CostModel):
-            try:
-                return trace_step(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, cost_model=cost,
-                                  param_dtype=param_dtype, autocast=autocast, routing=assumed, loop=loop)
-            finally:
-                cost.finish()
-
-        cost = CostModel(spec)
-        with generators_kept():  # a trace taken again starts from the same random state
-            step = traced(cost)
-        changed = cost.confirm_timings()  # each op first timed now, timed once more
-        cost.finish()
-        if changed:  # one was first timed in a slow moment of the machine: the step's times taken again
-            del step
-            cost = CostModel(spec)
-            step = traced(cost)
+    step, cost = _trace_confirmed(spec, lambda cost: trace_step(
+        model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, cost_model=cost, param_dtype=param_dtype,
+        autocast=autocast, routing=assumed, loop=loop))
     _say_unknown_ops(step.recording.unknown_ops)
     stats = aggregate(
         step,
@@ -201,6 +187,30 @@ def profile(
     # preserve_rng_state keeps the CPU generator state (and a device's) per checkpoint call
     stats.checkpoint_state_bytes = torch.get_rng_state().numel() + (16 if not spec.measured else 0)
     return stats
+
+
+def _trace_confirmed(spec: DeviceSpec, trace):
+    """``(step, cost model)``: ``trace(cost)`` run with a new :class:`CostModel`
+    of ``spec``, and once more where an op first timed in it read slow when
+    timed again (:meth:`CostModel.confirm_timings`: a slow moment of the
+    machine), from the same random state; the user's seeded RNG is left as it was."""
+    def traced(cost: CostModel):
+        try:
+            return trace(cost)
+        finally:
+            cost.finish()
+
+    with generators_kept():  # timing real ops (and Python in the forward) must not move the user's seeded RNG
+        cost = CostModel(spec)
+        with generators_kept():  # a trace taken again starts from the same random state
+            step = traced(cost)
+        changed = cost.confirm_timings()  # each op first timed now, timed once more
+        cost.finish()
+        if changed:
+            del step
+            cost = CostModel(spec)
+            step = traced(cost)
+    return step, cost
 
 
 _SAID_UNKNOWN: set[str] = set()  # ops already named in this process
