@@ -21,7 +21,7 @@ in-place time includes but for the module's Python.
 Measured on this 2-core VM (16th session): layers past the first priced
 10-25 % high at widths 64-128 (Gemma 2's attention 3.20 ms priced, 2.40 run;
 the built-in GPT's at width 128 3.04 against 2.17), the whole forward within
-2-7 % (docs/benchmarks.md, "Forwards timed in place").
+2-7 % (docs/step-time-history.md, "Forwards timed in place").
 """
 
 from __future__ import annotations

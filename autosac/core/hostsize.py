@@ -63,7 +63,7 @@ def machinery_us(nbytes: float, small: float, large: float, us_per_mib: float) -
     forward was priced 14.2 ms and ran 9.9 (its 2 MiB elementwise ops 10-164
     us over their kernels alone, priced 321 us each); and a width-4096
     model's 64 MiB ops would pay 64 times the calibrated figure each
-    (docs/benchmarks.md)."""
+    (docs/step-time-history.md)."""
     return extra_us(min(nbytes, large), small, large, us_per_mib)
 
 

@@ -240,7 +240,7 @@ def _mechanism(stats: ModelStats, m, window, n_items: int, picks: list[int], hos
                                     roots=roots, state_items=m.state_items) for k in picks]
     # the re-run is priced as the unmodified forward was, its per-MiB extras included (autosac.core.hostsize):
     # crediting a plain call's saved outputs with memory just freed (until session 13) put 6 of 10 models'
-    # overheads further from measured, 10 of 20 rows within target against 16 without (docs/benchmarks.md);
+    # overheads further from measured, 10 of 20 rows within target against 16 without (docs/step-time-history.md);
     # up to where PyTorch's checkpoint stops re-running it (ModuleStats.replay_stops): priced to the call's
     # end, a plain MLP block's re-run was over-predicted by its last matmul (7.2 against 4.6 ms measured)
     whole_ms = float(sum(stats.timeline.ms[window[0] : m.replay_end()])) if can_be_plain else None
