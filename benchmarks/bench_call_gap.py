@@ -106,7 +106,7 @@ def main(argv: list[str]) -> int:
               f"one alone: {r['one']:5.0f} / {r['one_predicted']:5.0f} us", flush=True)
     models, _, inputs = calibrate._benchmark()
     x = inputs[("shallow", "none")]
-    figures = [calibration_apart.apart_figures(models, x, rounds=12)["call_gap_us"] for _ in range(3)]
+    figures = [calibration_apart.apart_figures(models, x)["call_gap_us"] for _ in range(3)]
     print("the calibration's call_gap_us, three measurements:", ", ".join(f"{f:.1f}" for f in figures), "us")
     return 0
 

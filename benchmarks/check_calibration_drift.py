@@ -16,7 +16,7 @@ timings): if the scaled figures agree across processes where the raw ones do
 not, the spread is the kernel timings' moment; if neither agrees, it is the
 step's own host time.  2026-11-26 on the 2-core VM: raw 141-205, scaled
 101-154 over seven sets in three processes; within one process raw 192-205.
-So the scaling was not adopted (``docs/benchmarks.md``).
+So the scaling was not adopted (``docs/step-time-history.md``).
 
     python benchmarks/check_calibration_drift.py [sets]
 """

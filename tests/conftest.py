@@ -15,7 +15,10 @@ def _state_host_figures() -> None:
     (host-costs-v30, taken on the 2-core VM that runs the suite): the tests
     plan with them instead of calibrating, which cost one worker 25-50 s (its
     rounds doubled beside the other worker) while the other waited on its
-    lock.  tests/test_calibration_noise.py measures for real, in folders of its own."""
+    lock.  tests/test_calibration_noise.py measures for real, in folders of its own.
+    Not written where the suite runs on a cache folder of the caller's
+    (``AUTOSAC_CACHE_DIR`` set); ``AUTOSAC_REMEASURE=1`` measures anyway, and a
+    process the tests start with another ``OMP_NUM_THREADS`` reads its own file."""
     from autosac.core.host import HostCosts
     from autosac.tools import calibrate
     from autosac.trace.timings import TimingCache

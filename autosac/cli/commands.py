@@ -322,7 +322,7 @@ def cmd_calibrate(args) -> int:
         print(f"{name:28s} {'-' if value is None else f'{value:.3f} {unit}'}")
     until = host.noisy_until()
     if until:
-        print(f"measured while the figures did not settle (a busy or drifting machine): measured again after "
+        print(f"not measured cleanly (a busy or drifting machine): measured again after "
               f"{time.strftime('%H:%M', time.localtime(until))}, or now with autosac calibrate --remeasure")
     return 0
 
@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("calibrate", help="show this machine's host costs (measured once and cached); "
                        "--remeasure measures them and the CPU op timings again")
     c.add_argument("--remeasure", action="store_true",
-                   help="measure again now (after a calibration on a busy machine); forgets the CPU op timings too")
+                   help="measure again now (after a calibration on a busy or drifting machine); forgets the CPU op timings too")
     c.add_argument("--keep-op-timings", action="store_true", help="with --remeasure: keep the CPU op timings")
     c.set_defaults(func=cmd_calibrate)
 

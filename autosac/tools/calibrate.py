@@ -57,7 +57,7 @@ own, whatever the kernels cost:
   machinery (its forward start and its replay), per square root of the op
   calls run since the machinery last ran (:func:`autosac.core.host.gap_roots`):
   its code and data go cold in between, so a call alone costs more than one
-  right after another (:func:`_gap_us`); eager, a CPU target's.
+  right after another (:func:`autosac.tools.calibration_figures._gap_us`); eager, a CPU target's.
   ``checkpoint_call_us`` and ``saved_tensor_us`` are a call's with no gap.
 * ``state_item_us``: each container and entry of Python state a
   checkpointed call captures, swaps in for its replay and puts back
@@ -133,8 +133,8 @@ class Measured(NamedTuple):
     """What :func:`_measure` found: the figures, why they are noisy (empty:
     clean), after how many rounds, and whether the machine was seen busy (its
     thread short of a core, other processes on the cores it needed) -- noisy
-    without that, the figures only did not settle (on a quiet 2-core VM, 4 of
-    4 calibrations of the 24th session: each one's figures drift between rounds)."""
+    without that, the figures only did not settle (on a quiet 2-core VM, 5 of
+    5 calibrations of the 24th session: each one's figures drift between rounds)."""
 
     costs: HostCosts
     noisy: tuple[str, ...] = ()
@@ -243,7 +243,7 @@ def _settled(cache, got: Measured) -> tuple[HostCosts, HostCosts | None]:
     logging.getLogger("autosac").warning(
         "autosac: %s (%s, after %d rounds): %s",
         "this machine was busy while measuring its host costs" if got.busy else
-        "this machine's host costs did not settle while measuring them", "; ".join(got.noisy), got.rounds,
+        "this machine's host costs did not measure cleanly", "; ".join(got.noisy), got.rounds,
         "the figures measured on a quiet machine before are kept" if clean is not None else
         f"plans use each figure's median over the last {len(kept)} such measurements, and they are measured "
         f"again after {NOISY_LIFETIME_S / 3600:g} h, or at once with AUTOSAC_REMEASURE=1 or "
@@ -270,7 +270,7 @@ def _cached(cache, prefix: str = f"{CACHE_KEY}:") -> HostCosts | None:
 
 def noisy_until() -> float | None:
     """When this machine's cached host figures expire (epoch seconds) where
-    they were measured on a busy machine; None where they are clean or none
+    they were not measured cleanly (a busy or drifting machine); None where they are clean or none
     are cached."""
     from autosac.trace.timings import TimingCache
 
