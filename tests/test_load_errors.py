@@ -114,6 +114,9 @@ def test_plans_of_the_last_format_load_and_other_formats_are_refused(plan):
     for found in (4, 7, True, "6", None, 5.0):
         _assert_one_line_error(lambda f=found: Plan.from_json(json.dumps({**data, "format": f})),
                                f"plan format {found!r} is not 6: re-plan with this autosac version")
+    # JSON that is no plan at all (another tool's file) is said to be none, not an old format
+    for other in ({"model": "x", "layers": 3}, [1, 2], {}):
+        _assert_one_line_error(lambda o=other: Plan.from_json(json.dumps(o)), "not an autosac plan")
 
 
 def test_deeply_nested_plan_and_stats_are_one_clear_error(tmp_path):

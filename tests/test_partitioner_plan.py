@@ -183,3 +183,37 @@ def test_where_the_partitioner_re_runs_no_matmul_no_checkpointing_plan_is_traced
     _, _, plan = fitted
     assert plan.compiled["partitioner_budget"] >= 0.75 and plan.compiled["rounds"] == 5
     assert plan.recompute_ms == 0 and plan.predicted_peak_bytes <= 65 << 20
+
+
+@needs_region_api
+def test_a_step_torch_will_not_budget_whole_is_planned_with_checkpoints_alone():
+    """A conv + BatchNorm net under inductor: torch refuses the partitioner's
+    budget region (the norms' running statistics are written back after it:
+    "forward op(s) are unannotated").  Solve warns once and goes on with
+    checkpointed modules alone -- here none fits, so the error is that
+    route's, naming the least compiled peak, not the refused trace; asked
+    for the partitioner outright, the refusal is the error."""
+    import warnings
+
+    from torch import nn
+
+    from autosac.core.errors import InfeasibleBudgetError, TraceError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+    x = torch.rand(4, 3, 32, 32)
+    stats = autosac.profile(model, x, optimizer="sgd", target=A100_CPU_KERNELS)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(InfeasibleBudgetError, match="least compiled peak among the 2 plans traced"):
+            fit_for_compile(model, stats, "50%", x, backend="inductor", optimizer="sgd")
+    said = [str(w.message) for w in caught if "partitioner budget could not be traced" in str(w.message)]
+    assert len(said) == 1 and "unannotated" in said[0], [str(w.message) for w in caught]
+    with pytest.raises(TraceError, match="region_activation_memory_budget"):
+        fit_for_compile(model, stats, "50%", x, backend="inductor", optimizer="sgd", partitioner=True)
+    # nothing left half-done: no plan applied, parameters and running statistics as they were
+    assert autosac.applier.applied_plan(model) is None
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

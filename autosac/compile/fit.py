@@ -30,11 +30,12 @@ import torch
 from autosac.applier import applied_plan, apply, unapply
 from autosac.applier.partitioner import require as require_partitioner
 from autosac.applier.partitioner import supported as partitioner_supported
+from autosac.applier.region import warn_user
 from autosac.compile.partitioner import search_fraction
 from autosac.compile.trace import CompiledPeak, compiled_peak
 from autosac.core.budget import format_bytes, is_least
 from autosac.core.devices import DeviceSpec
-from autosac.core.errors import InfeasibleBudgetError
+from autosac.core.errors import InfeasibleBudgetError, TraceError
 from autosac.core.plan import Plan
 from autosac.core.stats import ModelStats
 from autosac.solver import solve_stats, usable_budget
@@ -88,7 +89,9 @@ def fit_for_compile(model, stats: ModelStats, budget, example_inputs, *, backend
         max_choices, solve_kwargs: passed to the solver (``solver``, ``time_limit_s``, ``presolve``).
         partitioner: weigh the partitioner's budget (None: under inductor, whose
             partitioner takes one, where this torch can scope it to the model:
-            :func:`autosac.applier.partitioner.supported`, torch >= 2.13).
+            :func:`autosac.applier.partitioner.supported`, torch >= 2.13; where
+            torch refuses the budget region for this step -- a batch norm's
+            running statistics written after it -- with one warning, not).
 
     Returns:
         Plan with ``predicted_peak_bytes`` the compiled step's peak and
@@ -98,6 +101,8 @@ def fit_for_compile(model, stats: ModelStats, budget, example_inputs, *, backend
     Raises:
         InfeasibleBudgetError: no plan tried had a compiled step that fits;
             ``min_feasible_bytes`` is the least compiled peak seen.
+        TraceError: the step could not be traced compiled (with ``partitioner=True``:
+            not under the partitioner's budget either).
         ValueError: another backend, target, autocast or world size, a model
             that already has a plan applied, or ``partitioner=True`` with torch < 2.13.
     """
@@ -119,12 +124,13 @@ def fit_for_compile(model, stats: ModelStats, budget, example_inputs, *, backend
     plain = tracer.plan(empty)
     if plain.peak_bytes <= budget_bytes:  # the compiled step fits as it is
         return _finish(empty, plain, budget_bytes, backend, problem.baseline_peak, 1)
+    asked = bool(partitioner)
     if partitioner is None:
         partitioner = backend == "inductor" and partitioner_supported()
     elif partitioner:
         require_partitioner()
     headroom = CUDA_PARTITIONER_HEADROOM if stats.target.get("device_type") == "cuda" else 0.0
-    best, tried = (search_fraction(tracer.fraction, int(budget_bytes * (1 - headroom))) if partitioner
+    best, tried = (_partitioner_fits(tracer, int(budget_bytes * (1 - headroom)), asked) if partitioner
                    else (None, []))
     # a checkpointing plan's step runs at least the matmuls of the step without a plan: against the partitioner's
     # best fit it can win at most what that fit adds to them -- not worth its traces when under MIN_GAIN of the step
@@ -146,6 +152,24 @@ def fit_for_compile(model, stats: ModelStats, budget, example_inputs, *, backend
         )
     plan, peak, inner = search.best_fit()
     return _finish(plan, peak, budget_bytes, backend, inner, rounds)
+
+
+def _partitioner_fits(tracer: _Tracer, budget_bytes: int, asked: bool) -> tuple:
+    """:func:`search_fraction` over the partitioner's budget.  Where the step
+    cannot be traced under that budget and the caller did not ask for it
+    (``partitioner=True``), no fraction: the checkpointing route plans alone,
+    with one warning.  torch refuses a budget region that leaves forward ops
+    outside it, and a batch norm's running statistics are written back after
+    the region (a conv + BatchNorm net under inductor: "6 forward op(s) are
+    unannotated")."""
+    try:
+        return search_fraction(tracer.fraction, budget_bytes)
+    except TraceError as e:
+        if asked:
+            raise
+        warn_user(f"autosac: torch.compile's partitioner budget could not be traced for this model ({e}); "
+                  "planned with checkpointed modules only")
+        return None, []
 
 
 def _fit_checkpoints(stats: ModelStats, budget_bytes: int, solve_kwargs: dict, tracer: _Tracer,
