@@ -115,3 +115,18 @@ def test_infeasible_message_tells_sizes_that_round_alike_apart():
     least, _ = least_peak(build_problem(stats))
     with pytest.raises(autosac.InfeasibleBudgetError, match=r"bytes\) is below the least reachable peak .* bytes\)"):
         autosac.solve(stats, least - 1)
+
+
+def test_a_float_up_to_one_over_the_whole_step_warns_that_it_is_gib():
+    """0.6 meant as 60 %: read as 0.6 GiB it is above a small step's whole
+    peak and the plan would checkpoint nothing without a word."""
+    import warnings
+
+    with pytest.warns(UserWarning, match=r"read as 0.6 GiB .* write '60%'"):
+        assert parse_budget(0.6, 100 << 20) == int(0.6 * 2**30)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert parse_budget(0.6, 2 << 30) == int(0.6 * 2**30)  # a real 0.6 GiB cut of a 2 GiB step
+        assert parse_budget(2.0, 100 << 20) == 2 << 30  # 2 GiB is no fraction
+        assert parse_budget("60%", 100 << 20) == 60 << 20
+        assert parse_budget(0.5, 100 << 20, what="reserve") == 2**29  # headroom, not a budget

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 
 _UNITS = {
     "": 1, "b": 1,
@@ -78,6 +79,11 @@ def parse_budget(budget: str | int | float, baseline_peak_bytes: int, what: str 
         raise ValueError(f"{what} of type {type(budget).__name__} is not understood: use {ACCEPTED}")
     if value <= 0:
         raise ValueError(f"{what} {budget!r} is not positive: use {ACCEPTED}")
+    if what == "budget" and isinstance(budget, float) and budget <= 1 and 0 < baseline_peak_bytes <= value:
+        # 0.6 meant as 60 %: as GiB it is above the whole step, and the plan would silently checkpoint nothing
+        warnings.warn(f"autosac: {what} {budget!r} is read as {budget!r} GiB (a float is GiB), above this step's "
+                      f"unconstrained peak ({format_bytes(baseline_peak_bytes)}): nothing needs checkpointing -- "
+                      f"for a share of the peak write '{budget * 100:g}%'", stacklevel=2)
     return value
 
 
