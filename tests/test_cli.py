@@ -61,7 +61,7 @@ def test_cli_plan_and_verify_with_gradient_accumulation(tmp_path, capsys):
         (["plan", "--budget", "50%", "--model", "nope"], "unknown built-in model 'nope'"),
         (["plan", "--budget", "50%", "--model", "gpt-tiny", "--model-arg", "layers=2"], "unknown GPTConfig field"),
         (["plan", "--budget", "50%", "--model", "no.such.module:f"], "cannot import .no.such.module."),
-        (["plan", "--budget", "50%", "--model", "gpt-tiny", "--target", "tpu"], "unknown target 'tpu'"),
+        (["plan", "--budget", "50%", "--model", "gpt-tiny", "--target", "tpu"], r"--target: invalid choice: 'tpu' \(choose from 'h100'"),
         (["verify", "/no/such/plan.json"], "No such file"),
         (["plan", "--budget", "50%", "--batch", "-3"], "is not positive"),
         (["plan", "--budget", "90%", "--model", "gpt-tiny", "--target", "cpu", "--json", "/"],

@@ -12,6 +12,7 @@ import warnings
 from contextlib import contextmanager
 
 from autosac.core.budget import format_bytes, is_least, parse_budget
+from autosac.core.devices import DEVICES
 from autosac.core.errors import MissingExtraError, SolveTimeoutError, StatsFormatError, TraceError
 from autosac.models.spec import UserError, build_from_spec
 
@@ -30,7 +31,8 @@ def _model_options(p: argparse.ArgumentParser, batch_sizes: bool = False) -> Non
     else:
         p.add_argument("--batch", type=_positive_int, default=None)
     p.add_argument("--seq", type=_positive_int, default=None)
-    p.add_argument("--target", default="h100", help="h100, h200, a100, l4, or cpu (timed locally)")
+    p.add_argument("--target", default="h100", choices=list(DEVICES),
+                   help="h100, h200, a100, l4, or cpu (timed locally); another device: autosac.DeviceSpec in Python")
     p.add_argument("--world-size", type=_positive_int, default=1)
     p.add_argument("--param-dtype", choices=sorted(_DTYPES), default=None,
                    help="FSDP2 MixedPrecisionPolicy param_dtype (with --world-size > 1)")
