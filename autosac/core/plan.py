@@ -145,10 +145,10 @@ class Plan:
                 or not finite, or inconsistent (one line naming it; see :meth:`validate`).
         """
         data = parse(text, "a plan")
-        found = data.get("format") if isinstance(data, dict) else None
         if not isinstance(data, dict) or not {"format", "decisions"} & data.keys():
             raise StatsFormatError("not an autosac plan (neither a plan format nor decisions in it): give a file "
                                    "Plan.save or `autosac plan --json` wrote")
+        found = data.get("format")
         if type(found) is not int or found not in READABLE_PLAN_FORMATS:
             raise StatsFormatError(f"plan format {found!r} is not {PLAN_FORMAT}: re-plan with this autosac version")
         data = {**data, "format": PLAN_FORMAT}
