@@ -179,7 +179,10 @@ def test_mixed_precision_options_are_checked():
 def test_units_as_given_match_real_fsdp2(tmp_path):
     """fully_shard on two of the blocks only (the others belong to the root,
     gathered all step): the prediction follows the units it is given, and
-    one per block is what "blocks.*" names."""
+    one per block is what "blocks.*" names.  With the units inside the blocks
+    (attention and MLP), the least plan checkpoints no block -- a block's
+    re-run would gather its units again (one process's least plan takes
+    blocks whole) -- and runs sharded as predicted."""
     from suite import A100_CPU_KERNELS
 
     from autosac.solver.problem import build_problem
@@ -194,9 +197,17 @@ def test_units_as_given_match_real_fsdp2(tmp_path):
     assert predicted > default  # two more blocks gathered all step
     plan = autosac.solve(stats, "80%")
     assert plan.sharding == "2 units as given (shard_units), and the root"
-    measured, planned = _fsdp_peaks(tmp_path, 2, {"units": units}, {"plan": plan, "units": units})
+    inner = [f"blocks.{i}.{part}" for i in range(MEM_CFG["n_layer"]) for part in ("attn", "mlp")]
+    one = build_problem(autosac.profile(model, idx, optimizer="adamw", target=A100_CPU_KERNELS))
+    sharded = autosac.profile(model, idx, shard_units="blocks.*.attn,blocks.*.mlp", **kw)
+    assert "blocks.0" in {c.fqn for c in one.candidates} - {c.fqn for c in build_problem(sharded).candidates}
+    least = autosac.solve(sharded, "least")
+    assert least.decisions and not [f for f in least.decisions for u in inner if u.startswith(f + ".")]
+    measured, planned, sublayers = _fsdp_peaks(tmp_path, 2, {"units": units}, {"plan": plan, "units": units},
+                                               {"plan": least, "units": inner})
     assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
     assert abs(plan.predicted_peak_bytes - planned) <= 0.01 * planned, (plan.predicted_peak_bytes, planned)
+    assert sublayers <= least.budget_bytes and abs(least.predicted_peak_bytes - sublayers) <= 0.01 * sublayers
 
 
 def test_bad_shard_units_are_one_clear_error():
@@ -210,6 +221,36 @@ def test_bad_shard_units_are_one_clear_error():
     for kw, match in cases:
         with pytest.raises(ValueError, match=match):
             autosac.profile(model, idx, **kw)
+
+
+def test_a_checkpointed_module_holding_a_unit_is_refused_at_the_first_forward():
+    """A plan made for one process checkpoints attention blocks whole;
+    sharded with fully_shard on their projections, a re-run would gather
+    those again (on two ranks with different plans, a hang): the first
+    training forward says so and how to plan instead; a forward without
+    gradients runs."""
+    import torch.distributed as dist
+    from suite import A100_CPU_KERNELS
+    from torch.distributed.fsdp import fully_shard
+
+    model, idx = build_model("gpt2", device="cpu", batch=4, **dict(MEM_CFG, n_layer=2))
+    plan = autosac.solve(autosac.profile(model, idx, optimizer="sgd", target=A100_CPU_KERNELS), "least")
+    assert "blocks.0.attn" in plan.decisions
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        autosac.apply(model, plan)
+        for block in model.blocks:
+            fully_shard(block.attn.qkv)
+        fully_shard(model)
+        with torch.no_grad():
+            model(idx)
+        for _ in range(2):  # and again at the next forward
+            with pytest.raises(ValueError, match=r"module 'blocks.0.attn' holds the FSDP2 unit 'blocks.0.attn.qkv'"
+                                                 r".*shard_units=<the modules you fully_shard>"):
+                model(idx)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_model_already_sharded_is_refused_with_its_units():

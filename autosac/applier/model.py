@@ -322,6 +322,7 @@ def _enter_model(module, args, kwargs):
         _check_shapes(state, args, kwargs)
     if state is not None and torch.is_grad_enabled():
         _check_device(state, module)
+        _check_units(state, module)
     # the cast hook sees every tensor the model saves: only where the traced step saved casts
     casts = state is None or state["plan"].param_casts
     ctx = torch.autograd.graph.saved_tensors_hooks(pack_cast, unpack_cast) if casts else None
@@ -375,6 +376,37 @@ def _check_device(state: dict, module) -> None:
         f"the ops differ there and checkpointed modules fall back to recomputing everything -- plan with "
         f"target='{'cpu' if where == 'cpu' else 'h100'}' (or a DeviceSpec with device_type='{where}') to run here"
     )
+
+
+def _check_units(state: dict, module: nn.Module) -> None:
+    """At the first training forward: no checkpointed module may hold an
+    FSDP2 unit (a module ``fully_shard`` was applied to) inside it.  Its
+    re-run in the backward would run the unit's hooks again -- a parameter
+    gather the forward did not make there, on the ranks that re-run it only
+    -- so the replay cannot match the forward; a sharded plan never makes
+    such a region (:func:`autosac.solver.sharding.unit_holders`), one made
+    for other units or for one process does.
+
+    Raises:
+        ValueError: naming the region, the unit inside it and the fix."""
+    if state.get("units_checked"):
+        return
+    state["units_checked"] = True
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for fqn, region in module.named_modules():
+        if POLICY not in region.__dict__:
+            continue
+        inner = next((name for name, m in region.named_modules() if name and isinstance(m, FSDPModule)), None)
+        if inner is not None:
+            state["units_checked"] = False  # the error again at the next forward, not a run past it
+            raise ValueError(
+                f"autosac: checkpointed module {fqn!r} holds the FSDP2 unit {fqn + '.' + inner!r}, whose parameters "
+                "its re-run would gather again: plan with autosac.profile(..., world_size=<ranks>, shard_units=<the "
+                "modules you fully_shard>) and apply that plan"
+            )
 
 
 def _check_shapes(state: dict, args: tuple, kwargs: dict) -> None:

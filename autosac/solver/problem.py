@@ -24,7 +24,7 @@ import numpy as np
 from autosac.core.host import gap_roots
 from autosac.core.stats import ModelStats
 from autosac.solver.candidates import Candidate, Reading, module_candidates
-from autosac.solver.sharding import sharded_live
+from autosac.solver.sharding import sharded_live, unit_holders
 
 __all__ = ["Candidate", "Problem", "SharedHold", "bits", "build_problem"]
 
@@ -218,7 +218,9 @@ def build_problem(stats: ModelStats, max_choices: int = 16, keep_random: bool = 
     as a plan under ``torch.compile`` keeps them (:mod:`autosac.applier.compiled`).
 
     Candidates are modules whose subtree saves discardable activations; each
-    offers at most ``max_choices`` discard choices.  A module called several
+    offers at most ``max_choices`` discard choices.  Sharded over FSDP2
+    (``world_size > 1``), no module that holds a shard unit inside it is one
+    (:func:`autosac.solver.sharding.unit_holders`).  A module called several
     times per step (a shared block) gives one candidate per call, linked to
     take the same choice: every call is a checkpoint region with the same policy.
     """
@@ -226,8 +228,9 @@ def build_problem(stats: ModelStats, max_choices: int = 16, keep_random: bool = 
     reading = Reading.of(stats, max_choices, keep_random)
     candidates: list[Candidate] = []
     linked: list[list[Candidate]] = []
+    holders = unit_holders(stats) if stats.world_size > 1 else set()  # sharded: no region holds a unit
     for fqn in stats.subtree(stats.root):
-        group = module_candidates(reading, fqn)
+        group = [] if fqn in holders else module_candidates(reading, fqn)
         candidates += group
         if len(group) > 1:
             linked.append(group)

@@ -73,6 +73,22 @@ def fsdp_units(stats: ModelStats) -> list[Unit]:
     return sorted(units, key=lambda u: u.forward[0])
 
 
+def unit_holders(stats: ModelStats) -> set[str]:
+    """The modules that hold an FSDP2 unit inside them (the root among them):
+    never checkpoint regions of a sharded plan.  Re-running one in the
+    backward would run its units' forward hooks again -- a parameter gather
+    the sharded step does not make, on the ranks whose plan re-runs it only
+    (a hang where the ranks' plans differ); the applier refuses such a
+    replay, as its ops are not the forward's."""
+    holders: set[str] = set()
+    for unit in fsdp_units(stats):
+        parent = stats.modules[unit.fqn].parent
+        while parent is not None and parent not in holders:
+            holders.add(parent)
+            parent = stats.modules[parent].parent
+    return holders
+
+
 def _unit(stats: ModelStats, fqn: str) -> Unit:
     m = stats.modules[fqn]
     forward = (m.fw_windows[0][0], m.fw_windows[-1][1] - 1)
