@@ -57,6 +57,9 @@ def test_cli_plan_and_verify_with_gradient_accumulation(tmp_path, capsys):
     "argv,match",
     [
         (["plan", "--budget", "abc"], "cannot parse budget 'abc'"),
+        # what a command line can say: no "float of GiB" (a new user's 1e8 was offered one)
+        (["plan", "--budget", "1e8"], r"cannot parse budget '1e8': use \"8GiB\", .* or whole bytes such as "
+                                      r"\"100000000\"$"),
         (["plan", "--budget", "1KiB", "--model", "gpt-tiny"], "InfeasibleBudgetError: budget 1.00 KiB"),
         (["plan", "--budget", "50%", "--model", "nope"], "unknown built-in model 'nope'"),
         (["plan", "--budget", "50%", "--model", "gpt-tiny", "--model-arg", "layers=2"], "unknown GPTConfig field"),

@@ -15,6 +15,9 @@ _UNITS = {
 _PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-z]*|%)\s*$", re.IGNORECASE)
 ACCEPTED = ('a string like "8GiB", "500MB", "60%" (of the unconstrained peak), "least" (the least feasible), '
             'an int of bytes, or a float of GiB')
+# what a string may say (the command line's --budget is one): whole bytes, no float of GiB
+ACCEPTED_TEXT = ('"8GiB", "500MB", "60%" (of the unconstrained peak), "least" (the least feasible), '
+                 'or whole bytes such as "100000000"')
 LEAST = "least"
 
 
@@ -60,7 +63,7 @@ def parse_budget(budget: str | int | float, baseline_peak_bytes: int, what: str 
             raise ValueError(f"{what} {budget!r} is not positive: use {ACCEPTED}")
         m = _PATTERN.match(budget)
         if not m or m.group(2).lower() not in (*_UNITS, "%"):
-            accepted = ACCEPTED if what == "budget" else ACCEPTED.replace(', "least" (the least feasible)', "")
+            accepted = ACCEPTED_TEXT if what == "budget" else ACCEPTED_TEXT.replace(' "least" (the least feasible),', "")
             raise ValueError(f"cannot parse {what} {budget!r}: use {accepted}")
         number, unit = float(m.group(1)), m.group(2).lower()
         if unit == "" and not number.is_integer():  # a string without a unit is bytes: whole ones
