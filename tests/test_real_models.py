@@ -140,6 +140,28 @@ def test_a_generating_model_whose_forward_takes_no_use_cache_is_not_given_one():
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(ref.parameters(), work.parameters()))
 
 
+def test_the_trace_turns_the_cache_off_outside_a_compiled_graph(monkeypatch):
+    """In a compiled step's trace the hook that turns a transformers decoder's
+    cache off runs outside Dynamo's graph, as the applied model's does under a
+    user's torch.compile: traced, Dynamo warned that it ignored the hook's
+    functools.cache (a new user's solve(compile=...) on Falcon).  The cache
+    is still off in the compiled step."""
+    import warnings
+
+    from autosac.core.integrations import caches_off
+
+    monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())  # Dynamo warns once a process
+    model, inputs = seeded(_gpt2("sdpa", cache=True))()
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught, caches_off(model):
+        warnings.simplefilter("always")
+        out = torch.compile(model, backend="eager")(**inputs)
+    torch._dynamo.reset()
+    assert not [w for w in caught if "cache" in str(w.message) and "Dynamo" in str(w.message)], \
+        [str(w.message) for w in caught]
+    assert out.get("cache", out.get("past_key_values")) is None  # transformers 5 names it ``cache``
+
+
 def test_hf_config_dtype_is_the_weights_dtype():
     pytest.importorskip("transformers")
     from autosac.models.spec import build_from_spec
