@@ -14,24 +14,25 @@ stack of the op that produced them (:mod:`autosac.trace.nodes`).
 Each op becomes one :class:`~autosac.trace.recording.OpRecord`, filed into the
 recording's per-op columns.  How an op runs (fake, or for real when small) is
 :mod:`autosac.trace.execution`; the real-kernel probes for scratch memory and
-output sizes are :mod:`autosac.trace.probes`.
+output sizes are :mod:`autosac.trace.probes`; the real tensors the trace meets
+(another device's, ones a fake op wrote) are :mod:`autosac.trace.real_tensors`;
+autograd's re-making of a view written in place, which the real step does not
+dispatch, is :mod:`autosac.trace.view_rebuilds`.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 import weakref
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves
 
-from autosac.core.dataflow import DataflowTracker, tensors_in
+from autosac.core.dataflow import DataflowTracker
 from autosac.core.opkinds import is_param_cast, is_random_op, is_view_op, writes_input, written_tensors
 from autosac.trace.costs import CostModel, transient_bytes
-from autosac.trace.execution import SMALL_NUMEL, run_op, with_kernel_layout
+from autosac.trace.execution import run_op, with_kernel_layout
 from autosac.trace.nodes import NodeOrigins
 from autosac.trace.probes import (
     PROBE_CAP_FLOPS,
@@ -45,11 +46,12 @@ from autosac.trace.probes import (
     saved_number_bytes,
     scalar_scratch_bytes,
 )
+from autosac.trace.real_tensors import RealTensors, same_layout
 from autosac.trace.recording import OpRecord, Recording, Stack, StorageRecord, common_prefix
 from autosac.trace.routing import RoutingTrace
+from autosac.trace.view_rebuilds import rebuilds, view_written
 
 _CASTS = {"_to_copy", "to", "type_as"}
-_TRACE_DEVICES = ("cpu", "meta")  # the trace's fakes are on the cpu; a real meta tensor is a fake's equal
 
 
 def _without_graph(t):
@@ -86,50 +88,6 @@ _ZERO_FILLS = frozenset({"zeros", "zeros_like", "new_zeros"})
 _FILLS = frozenset({"scatter", "scatter_add", "index_add", "index_put", "index_copy", "masked_scatter"})
 
 
-def _geometry(t: torch.Tensor) -> tuple:
-    return id(t.untyped_storage()), tuple(t.shape), t.stride(), t.storage_offset()
-
-
-def _view_written(func, args, kwargs) -> tuple | None:
-    """The geometry of the one view an in-place op writes, under grad mode,
-    and the caller's instruction; else None.  Autograd then rebuilds that
-    view's ``grad_fn`` at once, and for a fake tensor (a tensor subclass: no
-    ``as_strided``) it does so by running the view ops from the base again --
-    ``out[:, t] = x`` dispatches ``select`` a second time under the trace, once
-    for real; Funnel's attention re-runs a chain of seven views."""
-    if not torch.is_grad_enabled():
-        return None
-    written = [t for t in written_tensors(func, args, kwargs) if isinstance(t, torch.Tensor)]
-    if len(written) != 1 or not written[0]._is_view():
-        return None
-    return _geometry(written[0]), _caller()
-
-
-def _caller() -> tuple | None:
-    """The innermost frame outside torch and autosac, as (frame, instruction):
-    ops autograd dispatches on its own while one call runs share it."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
-        frame = frame.f_back
-    return None if frame is None else (id(frame), frame.f_lasti)
-
-
-# torch's package and autosac's (this file's grandparent)
-_LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
-
-
-def _rebuilds(func, ran, written: tuple) -> bool | None:
-    """Whether ``func``, run after an in-place write into a view, is autograd
-    re-making that view: a view op dispatched within the same caller's
-    instruction as the write.  ``None`` once it made exactly the written
-    geometry (the rebuild is over)."""
-    geometry, caller = written
-    outs = tensors_in(ran)
-    if not is_view_op(func) or len(outs) != 1 or caller is None or _caller() != caller:
-        return False
-    return None if _geometry(outs[0]) == geometry else True
-
-
 class _Packed:
     """A tensor saved in the forward and which save it was (``Recording.save_points``):
     one per save, as a checkpoint's holders are, so each read in the backward is known."""
@@ -164,10 +122,8 @@ class StepRecorder(TorchDispatchMode):
         self.fake_mode = None  # the trace's FakeTensorMode (writes into the model's real tensors go to fakes)
         self.small_values = True  # small cpu ops run for real (see run_op)
         self.routing = RoutingTrace()  # MoE routing decisions get real indices (autosac.trace.routing)
-        self._twins: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # real tensors of another device -> cpu twin
-        self._stale: dict[int, torch.UntypedStorage] = {}  # real storages a fake op wrote (their values unknown)
-        self._written_twins: dict[int, torch.Tensor] = {}  # ... the fake tensor the write went to, with their layout
-        self._written_view: tuple | None = None  # an in-place op's written view, until the next op (_view_written)
+        self._real = RealTensors(self._flow)  # real tensors the trace meets: twins, stale ones (trace.real_tensors)
+        self._written_view: tuple | None = None  # an in-place op's written view, until the next op (view_written)
         self._unpacked = None  # the tensor a saved-tensor unpack just returned, until the next op (_unpack_detach)
         self.random_branch = False  # the forward failed reading a value drawn at random (LayerDrop)
 
@@ -323,7 +279,7 @@ class StepRecorder(TorchDispatchMode):
         if isinstance(torch._C._current_autograd_node(), torch.autograd.function.BackwardCFunction):
             return  # a custom Function's backward runs as written, out of place on real tensors too
         i = self.index_of(args[0])
-        if i is None or not _same_layout(args[0], outs[0]):
+        if i is None or not same_layout(args[0], outs[0]):
             return
         r = self.rec.storages[i]
         if r.kind == "temp" and 0 <= r.producer < idx and self.rec.ops[r.producer] in _ZERO_FILLS:
@@ -365,18 +321,18 @@ class StepRecorder(TorchDispatchMode):
         unpacked, self._unpacked = self._unpacked, None
         if unpacked is not None and _unpack_detach(func, args, unpacked):
             return func(*args, **kwargs)  # autograd's copy of a saved tensor: the real step dispatches no op for it
-        args, kwargs = self._as_traced(args, kwargs)
+        args, kwargs = self._real.as_traced(args, kwargs, self.fake_mode)
         if self._pending:
             self._flush_pending()
         written_view, self._written_view = self._written_view, None
         ran, routed = self._run(func, args, kwargs)
-        rebuilding = written_view is not None and _rebuilds(func, ran, written_view)
+        rebuilding = written_view is not None and rebuilds(func, ran, written_view)
         if rebuilding is not False:
             self._written_view = written_view if rebuilding else None
             return ran  # autograd rebuilding a written view's node: the real step dispatches no op for it
         if writes_input(func) and not is_view_op(func):
-            self._note_stale(func, args, kwargs, ran)
-            self._written_view = _view_written(func, args, kwargs)
+            self._real.note_written(func, args, kwargs, ran)
+            self._written_view = view_written(func, args, kwargs)
         out = with_kernel_layout(func, args, ran, kwargs)
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         op = self._op_record(func, args, kwargs, out, outs)
@@ -396,16 +352,6 @@ class StepRecorder(TorchDispatchMode):
         if op.phase == "forward":
             self._after_forward_op(func, args, kwargs, outs, idx, op)
         return out
-
-    def _as_traced(self, args, kwargs):
-        """The op's arguments as the trace runs them: real tensors of another
-        device as their cpu twins, stale real tensors as their fakes."""
-        if any(not isinstance(t, FakeTensor) and t.device.type not in _TRACE_DEVICES for t in tensors_in(args, kwargs)):
-            args, kwargs = self._on_trace_device(args, kwargs)
-        if self._stale and any(id(t.untyped_storage()) in self._stale for t in tensors_in(args, kwargs)
-                               if not isinstance(t, FakeTensor)):
-            args, kwargs = self._stale_as_fake(args, kwargs)
-        return args, kwargs
 
     def _run(self, func, args, kwargs):
         """Run the op (:func:`~autosac.trace.execution.run_op`), a routing
@@ -485,59 +431,6 @@ class StepRecorder(TorchDispatchMode):
             else:  # a tensor the trace never saw made (a global, say): made before any call
                 self.rec.written.setdefault(idx, []).append((-1, -1, 0))
 
-    def _on_trace_device(self, args, kwargs):
-        """The arguments with each real tensor of another device (labels a
-        ``loss_fn`` closes over on the GPU, a mask kept as a plain attribute)
-        as the trace's twin of it on the cpu, where its fakes are: small
-        integer ones copied (their values read as the real step reads them),
-        the others fake; the same twin each time."""
-        def twin(t):
-            if not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor) or t.device.type in _TRACE_DEVICES:
-                return t
-            key = id(t)
-            if key not in self._twins:
-                if not t.is_floating_point() and not t.is_complex() and t.numel() <= SMALL_NUMEL:
-                    with unset_fake_temporarily():
-                        made = t.detach().to("cpu")
-                else:
-                    made = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-                    if t.requires_grad:  # a leaf the step trains: its gradient is made as for the real one
-                        made.requires_grad_()
-                self._twins[key] = (t, made)  # t kept: its id is not reused while the twin is known
-            return self._twins[key][1]
-
-        return tree_map(twin, (args, kwargs))
-
-    def _note_stale(self, func, args, kwargs, ran) -> None:
-        """An in-place op that ran fake wrote a real tensor's fake twin (a mask
-        ``zeros_like`` made small and real, filled under a fake condition): the
-        real tensor's values are stale from now on, and nothing may read them
-        (:meth:`_stale_as_fake`)."""
-        outs = tensors_in(ran)
-        if not outs or not isinstance(outs[0], FakeTensor):
-            return  # it ran for real: the values are right
-        written = [t for t in written_tensors(func, args, kwargs) if isinstance(t, torch.Tensor)]
-        for t in written:
-            if not isinstance(t, FakeTensor):
-                st = t.untyped_storage()
-                self._stale[id(st)] = st  # kept: its id is not reused while known
-                if len(written) == 1 and _same_layout(t, outs[0]):
-                    # later reads of it are reads of the twin the write went to: one storage to the
-                    # dataflow, made where the real one was (as the applier sees the real call)
-                    self._written_twins[id(st)] = outs[0]
-                    self._flow.alias(st, outs[0].untyped_storage())
-
-    def _stale_as_fake(self, args, kwargs):
-        """The arguments with each stale real tensor as its fake twin, the one
-        the write went to: its values are unknown, as they are."""
-        def fake(t):
-            if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and id(t.untyped_storage()) in self._stale:
-                twin = self._written_twins.get(id(t.untyped_storage()))
-                return twin if twin is not None and _same_layout(t, twin) else self.fake_mode.from_tensor(t)
-            return t
-
-        return tree_map(fake, (args, kwargs))
-
     def _reads_random(self, args, kwargs) -> bool:
         """Whether an op reads a value derived from a random op of the forward."""
         todo, seen = list(self._flow.reads(args, kwargs)), set()
@@ -598,9 +491,3 @@ class StepRecorder(TorchDispatchMode):
         self.rec.unknown_ops = set(self.cost.unknown_ops)
         self.rec.routers = list(self.routing.calls)
         return self.rec
-
-
-def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors view their storages alike (shape, strides, offset, dtype)."""
-    return (a.shape == b.shape and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
-            and a.dtype == b.dtype)
