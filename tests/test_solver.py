@@ -316,7 +316,7 @@ def test_an_input_every_checkpoint_keeps_counts_once_and_matches_exhaustive_sear
 def test_an_infeasible_budget_below_the_optimizer_state_names_the_remedy():
     from autosac.models import build_model
 
-    model, idx = build_model("llama-7b", device="meta", batch=1, seq=256)
+    model, idx = build_model("llama-7b", device="meta", batch=1, seq=256, n_layer=4)  # 7B's layers, 4 of 32
     stats = autosac.profile(model, idx, optimizer="adamw")
     floor = stats.param_bytes + stats.grad_bytes + stats.optimizer_bytes
     with pytest.raises(autosac.InfeasibleBudgetError) as e:
