@@ -620,6 +620,47 @@ def test_a_module_called_twice_under_one_autocast_replays_the_weight_casts_its_f
     assert all(torch.equal(a, b) for a, b in zip(g0, g1))
 
 
+@pytest.mark.parametrize("planned_under", ["autocast", "float32"])
+def test_a_backward_inside_the_autocast_block_replays_with_the_casts_autocast_kept(planned_under):
+    """``loss.backward()`` inside ``torch.autocast``: the replay finds the
+    weights' casts the forward made in autocast's cache and makes none; it
+    passes over those the forward made (it raised "replayed view as op call
+    #1 where its forward ran _to_copy" for a plan made without autocast, on
+    transformers BERT).  Twice through one module in the block, then one
+    backward, too: gradients bitwise those of the unplanned model."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)), nn.Linear(64, 8))
+    x1, x2 = torch.randn(64, 64), torch.randn(64, 64)
+    autocast = torch.bfloat16 if planned_under == "autocast" else None
+    stats = autosac.profile(model, x1, target=A100_CPU_KERNELS, autocast=autocast, output_held=False)
+    plan = plan_from_decisions(stats, {"0": 1.0})
+    d = plan.details["0"]
+    d.save = [next(i for i, (op, _) in enumerate(d.calls) if op in ("addmm", "mm"))]  # a selective region
+    ref = copy.deepcopy(model)
+    autosac.apply(model, plan)
+
+    def once(m):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(x1).float().sum()
+            loss.backward()
+        return loss.detach(), [p.grad.clone() for p in m.parameters()]
+
+    def twice(m):
+        m.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = (m(x1).float() * m(x2).float()).sum()
+            loss.backward()
+        return loss.detach(), [p.grad.clone() for p in m.parameters()]
+
+    for step in (once, twice):
+        l0, g0 = step(ref)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # calls that depart from the traced ones (casts): said once
+            l1, g1 = step(model)
+        assert torch.equal(l0, l1), step.__name__
+        assert all(torch.equal(a, b) for a, b in zip(g0, g1)), step.__name__
+
+
 class _TransposedWeights(nn.Module):
     """Layers that compute ``x @ w.T`` (Falcon's, GPT-2's Conv1D) under autocast:
     the cast is of a view of the whole weight; and a weight kept in another

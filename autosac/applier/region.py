@@ -112,7 +112,7 @@ class RegionCall:
         self.watched: list[tuple[torch.Tensor, int]] = []  # (tensor, its version) where plain
         self.n = 0  # op calls the forward ran (those a selective policy sees)
         self.funcs: list = []  # ... each one's op overload, for the replay to follow
-        self.weight_casts: set[int] = set()  # ... those that cast a weight under autocast
+        self.weight_casts: dict[int, torch.Tensor] = {}  # ... those that cast a weight under autocast -> it
         self.cache: dict[int, object] = {}  # call index -> its outputs, detached, where the call is saved
         self.shapes: dict[int, object] = {}  # call index -> its outputs' shapes, where the replay may skip it
         self.differs: str | None = None  # how the call first departed from the plan
@@ -133,7 +133,7 @@ class RegionCall:
         self.n = i + 1
         self.funcs.append(func)
         if func is _TO_COPY and _autocast_weight_cast(args):
-            self.weight_casts.add(i)
+            self.weight_casts[i] = args[0]
         storages = arg_storages(args, kwargs)
         if kind.written:
             written = kind.written_tensors(args, kwargs)
@@ -343,11 +343,16 @@ class _Replay(TorchDispatchMode):
         self.keep = False
         self.local: dict = {}
         self.after: list[State] = []
+        self.autocast: set[str] = set()  # the devices whose autocast may hand out cached weight casts
 
     def __enter__(self):
         self.call.check_replayable()
         self.k = 0
         self.local = {}
+        # read here, where checkpoint has restored the forward's autocast: beneath the dispatcher's autocast
+        # layer (in __torch_dispatch__) autocast reads as off
+        self.autocast = {d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)} \
+            if torch.is_autocast_cache_enabled() else set()
         # outside a backward (Python reading a grad_fn's saved tensor) the graph is kept, and so is the cache
         self.keep = torch._C._autograd._get_current_graph_task_keep_graph()
         self.after.append(self.call.state.recapture())
@@ -363,13 +368,34 @@ class _Replay(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kind = op_kind(func)
-        if kind.ignored or (func is _TO_COPY and _autocast_weight_cast(args) and self.k not in self.call.weight_casts):
-            # the replay's fresh autocast cache casts a weight the forward found
-            # cast already (a module called twice in one autocast region): the same values
+        if kind.ignored:
             return func(*args, **(kwargs or {}))
+        if self.call.weight_casts or func is _TO_COPY:
+            weight = args[0] if func is _TO_COPY and _autocast_weight_cast(args) else None
+            if not self._follow_weight_casts(weight):
+                # the replay casts a weight the forward found cast already in autocast's cache (a module
+                # called twice in one autocast region; the replay's cache is fresh): the same values
+                return func(*args, **(kwargs or {}))
         k = self.k
         self.k = k + 1
         return self.call.replay_op(func, kind, args, kwargs or {}, k, self.local, self.keep)
+
+    def _follow_weight_casts(self, weight) -> bool:
+        """Line the replay up with the forward's weight casts around op call
+        ``self.k``; ``weight``: what this replay op casts (None: no weight cast).
+        Weight casts the forward made at ``k`` that a replay inside the same
+        autocast region finds in autocast's cache (a backward run in the
+        ``torch.autocast`` block) are passed over.  Returns False where this op
+        is a cast the forward did not make (it found it cached): run as is."""
+        casts, k = self.call.weight_casts, self.k
+        while k in casts and casts[k] is not weight and casts[k].device.type in self.autocast:
+            k += 1
+        if weight is not None and casts.get(k) is not weight:
+            return False
+        for skipped in range(self.k, k):
+            self.call.cache.pop(skipped, None)  # never read: the replay has the cast from autocast
+        self.k = k
+        return True
 
 
 _TO_COPY = torch.ops.aten._to_copy.default
