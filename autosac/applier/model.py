@@ -30,13 +30,14 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from autosac.applier.casts import pack_cast, unpack_cast
 from autosac.applier.partitioner import require as require_partitioner
 from autosac.applier.partitioner import unwrap_root, wrap_root
-from autosac.applier.region import RegionPolicy, warn_user
+from autosac.applier.region import RegionPolicy
 from autosac.core.errors import PlanMismatchError, StatsFormatError
 from autosac.core.fingerprint import model_fingerprint
 from autosac.core.inputs import format_signature, input_signature, quick_shapes
 from autosac.core.integrations import cache_requested, no_cache_hook, own_checkpointing, transformers_models
 from autosac.core.marks import APPLIED, CACHE_WARNED, POLICY
 from autosac.core.plan import Plan
+from autosac.core.userwarn import warn_user
 
 __all__ = ["apply", "unapply"]
 

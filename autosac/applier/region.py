@@ -42,9 +42,6 @@ plan's :attr:`~autosac.core.plan.Decision.calls` by position:
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +53,7 @@ from autosac.core.dataflow import DataflowTracker, arg_storages, tensors_in
 from autosac.core.opkinds import op_kind
 from autosac.core.plan import Decision
 from autosac.core.pystate import State, capture
+from autosac.core.userwarn import warn_user
 
 
 @dataclass
@@ -464,32 +462,3 @@ def _empty_like_shape(x):
         out = [_empty_like_shape(v) for v in x]
         return out if isinstance(x, list) else tuple(out)
     return x
-
-
-_INTERNAL = (
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # autosac/
-    os.path.dirname(os.path.abspath(torch.__file__)),
-)
-
-
-def warn_user(message: str) -> None:
-    """Warn, attributed to the innermost frame of the user's own code: not
-    autosac's or torch's, and not an installed library's where the user's script
-    is further out (so filters on torch's warnings leave it alone)."""
-    frames = []
-    frame = sys._getframe(1)
-    while frame is not None:
-        path = os.path.abspath(frame.f_code.co_filename)
-        if not path.startswith(_INTERNAL):
-            frames.append(frame)
-        frame = frame.f_back
-    if not frames:
-        warnings.warn(message, UserWarning, stacklevel=2)
-        return
-    own = [f for f in frames if "-packages" + os.sep not in f.f_code.co_filename]
-    frame = (own or frames)[0]
-    warnings.warn_explicit(
-        message, UserWarning, frame.f_code.co_filename, frame.f_lineno,
-        module=frame.f_globals.get("__name__", "__main__"),
-        registry=frame.f_globals.setdefault("__warningregistry__", {}),
-    )

@@ -30,7 +30,6 @@ import torch
 from autosac.applier import applied_plan, apply, unapply
 from autosac.applier.partitioner import require as require_partitioner
 from autosac.applier.partitioner import supported as partitioner_supported
-from autosac.applier.region import warn_user
 from autosac.compile.partitioner import search_fraction
 from autosac.compile.trace import CompiledPeak, compiled_peak
 from autosac.core.budget import format_bytes, is_least
@@ -38,6 +37,7 @@ from autosac.core.devices import DeviceSpec
 from autosac.core.errors import InfeasibleBudgetError, TraceError
 from autosac.core.plan import Plan
 from autosac.core.stats import ModelStats
+from autosac.core.userwarn import warn_user
 from autosac.solver import solve_stats, usable_budget
 from autosac.solver.problem import build_problem
 

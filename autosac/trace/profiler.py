@@ -18,6 +18,7 @@ from autosac.core.marks import has_applied_plan
 from autosac.core.optim import OptimizerSpec, optimizer_name
 from autosac.core.rng import generators_kept
 from autosac.core.stats import ModelStats
+from autosac.core.userwarn import warn_user
 from autosac.core.version import __version__
 from autosac.trace.aggregate import aggregate
 from autosac.trace.autocast import check_autocast_dtype
@@ -116,7 +117,9 @@ def profile(
             (``stats.loop`` gives it back), instead of the keywords.
 
     Returns:
-        ModelStats: plain, JSON-serialisable statistics.
+        ModelStats: plain, JSON-serialisable statistics.  A model in eval mode
+        is traced as it runs (no dropout; batch norm reading its running
+        statistics), with a warning: plan a training step after ``model.train()``.
 
     Raises:
         NothingToCheckpointError: nothing requires grad / the loss is not differentiable.
@@ -148,6 +151,10 @@ def profile(
         raise ValueError(reason)
     if has_applied_plan(model):
         raise ValueError("the model has an autosac plan applied: call autosac.unapply(model) before profiling it")
+    if not model.training:  # transformers' from_pretrained returns models in eval mode
+        warn_user(f"autosac: {type(model).__name__} is in eval mode, and its step is traced as it runs now (no "
+                  "dropout, batch norm reading its running statistics): the plan holds for eval-mode steps only "
+                  "-- call model.train() before planning a training step")
     refuse_running_profiler()
     spec = resolve_target(target)
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
