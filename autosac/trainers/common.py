@@ -49,8 +49,10 @@ class PlanRequest:
 
 
 def plan_and_apply(model: nn.Module, example_inputs, request: PlanRequest) -> Plan:
-    """Profile one step of ``model`` on ``example_inputs`` as ``request``
-    describes, solve for its budget and apply the plan to ``model`` in place.
+    """Profile one training step of ``model`` on ``example_inputs`` as
+    ``request`` describes (in training mode, whatever mode the model is in
+    now: the trainer trains it), solve for its budget and apply the plan to
+    ``model`` in place.
 
     Returns:
         Plan: the plan applied (also logged, as its table, on the ``autosac`` logger).
@@ -60,8 +62,15 @@ def plan_and_apply(model: nn.Module, example_inputs, request: PlanRequest) -> Pl
         ValueError, TraceError: as :func:`autosac.solve` raises them.
     """
     target = request.target if request.target is not None else default_target(model)
-    plan = solve(model, request.budget, example_inputs, loss_fn=request.loss_fn, optimizer=request.optimizer,
-                 target=target, autocast=request.autocast, loop=request.loop, **request.solve_kwargs)
+    # traced in training mode, as the trainer's steps run: a model from transformers' from_pretrained is in eval
+    # mode when training begins (the Trainer calls train() in each step), and its plan had no dropout in it
+    was_training = model.training
+    model.train()
+    try:
+        plan = solve(model, request.budget, example_inputs, loss_fn=request.loss_fn, optimizer=request.optimizer,
+                     target=target, autocast=request.autocast, loop=request.loop, **request.solve_kwargs)
+    finally:
+        model.train(was_training)
     apply(model, plan)
     log.info("autosac plan applied (%d modules checkpointed):\n%s", len(plan.decisions), plan)
     return plan
