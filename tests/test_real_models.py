@@ -162,6 +162,24 @@ def test_the_trace_turns_the_cache_off_outside_a_compiled_graph(monkeypatch):
     assert out.get("cache", out.get("past_key_values")) is None  # transformers 5 names it ``cache``
 
 
+def test_without_loss_fn_a_transformers_output_trains_its_loss():
+    """No ``loss_fn``: a transformers output with a ``loss`` (the batch held
+    labels) is planned for that loss, as ``loss_fn=lambda o: o.loss``; before,
+    the logits' sum was added to it (a step no one trains).  A ``loss_fn``
+    returning None (no labels) says what is missing."""
+    from autosac.core.errors import TraceError
+
+    model, inputs = seeded(_gpt2("sdpa", cache=False))()
+    given = autosac.profile(model, inputs, loss_fn=lambda out: out.loss, target=A100_CPU_KERNELS)
+    default = autosac.profile(model, inputs, target=A100_CPU_KERNELS)
+    assert default.peak_bytes == given.peak_bytes and len(default.timeline.ops) == len(given.timeline.ops)
+    unlabelled = {"input_ids": inputs["input_ids"]}
+    with pytest.raises(TraceError, match=r"loss_fn returned None: .*only when example_inputs hold labels"):
+        autosac.profile(model, unlabelled, loss_fn=lambda out: out.loss, target=A100_CPU_KERNELS)
+    with pytest.raises(TraceError, match=r"not a tensor of shape \(4, 128, 128\) \(reduce it"):
+        autosac.profile(model, unlabelled, loss_fn=lambda out: out.logits, target=A100_CPU_KERNELS)
+
+
 def test_hf_config_dtype_is_the_weights_dtype():
     pytest.importorskip("transformers")
     from autosac.models.spec import build_from_spec

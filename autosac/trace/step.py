@@ -273,8 +273,12 @@ def _forward_and_loss(model, args, kwargs, loss_fn, recorder: StepRecorder):
             loss = loss_fn(out)
         except Exception as e:
             raise TraceError(f"loss_fn raised {type(e).__name__}: {e}") from None
+    if loss is None:
+        raise TraceError("loss_fn returned None: it must return the step's scalar loss (a transformers model "
+                         "returns .loss only when example_inputs hold labels)")
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise TraceError("loss_fn must return a scalar tensor")
+        shape = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise TraceError(f"loss_fn must return a scalar tensor, not {shape} (reduce it: .mean() or .sum())")
     if not loss.requires_grad:
         raise NothingToCheckpointError(
             "the loss does not require grad (the output is not differentiable): nothing to checkpoint"
