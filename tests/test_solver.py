@@ -324,6 +324,16 @@ def test_an_infeasible_budget_below_the_optimizer_state_names_the_remedy():
     text = str(e.value)
     assert "optimizer step and cuBLAS's workspaces alone hold" in text and "world_size" in text and "lighter optimizer" in text
     assert e.value.min_feasible_bytes > floor
+    # a budget above that floor and below the least peak: the rest is what no plan frees, said so
+    # (a new user's ViT-MAE was told its optimizer step alone held less than the budget it asked)
+    fixed = floor + stats.peak_breakdown["workspace"]
+    between = (fixed + e.value.min_feasible_bytes) // 2
+    with pytest.raises(autosac.InfeasibleBudgetError) as e2:
+        autosac.solve(stats, between)
+    rest = autosac.core.budget.format_bytes(e.value.min_feasible_bytes - fixed)
+    assert f"workspaces hold {autosac.core.budget.format_bytes(fixed)} per rank" in str(e2.value)
+    assert f"what no plan frees (activations, the step's inputs and output) the other {rest}" in str(e2.value)
+    assert "alone" not in str(e2.value)
     # sharded over enough ranks, the same budget is a matter of checkpointing
     sharded = autosac.profile(model, idx, optimizer="adamw", world_size=64)
     assert autosac.solve(sharded, floor // 2).predicted_peak_bytes <= floor // 2
