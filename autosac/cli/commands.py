@@ -373,7 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     v = sub.add_parser("verify", help="run a plan for real on this machine: predicted vs measured")
     v.add_argument("plan")
     _model_options(v)
-    v.add_argument("--steps", type=_positive_int, default=3)
+    v.add_argument("--steps", type=_positive_int, default=3, help="timed steps per model and round (default 3)")
+    v.add_argument("--rounds", type=_positive_int, default=5,
+                   help="interleaved rounds of the model without and with the plan (default 5); the overhead is the "
+                        "median over them")
     v.set_defaults(func=cmd_verify)
     b = sub.add_parser("build-native", help="compile the native pack_downcast op now (else: on first use)")
     b.add_argument("--verbose", action="store_true", help="show the compiler's commands and output")

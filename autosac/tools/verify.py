@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import statistics
 
 import torch
 
@@ -44,14 +45,16 @@ def verify_plan_file(args) -> int:
     # two micro-batches reach an accumulating step's peak: from the second on, every gradient is alive
     loop = dict(steps=args.steps, optimizer=plan.optimizer, autocast=amp, loop=plan.loop.measuring())
     routed = copy.deepcopy(model) if plan.routing else None  # the weights the routing is measured with
-    baseline = autosac.tools.measure.measure(copy.deepcopy(model), inputs, **loop)
+    unplanned = copy.deepcopy(model)
     autosac.applier.apply(model, plan)
     run = model
     if plan.compiled:  # planned for torch.compile: measured compiled, as the prediction is
         torch._dynamo.reset()
         run = torch.compile(model, backend=plan.compiled["backend"])
         print(f"(the plan was made for torch.compile(backend={plan.compiled['backend']!r}): measured compiled)")
-    planned = autosac.tools.measure.measure(run, inputs, **loop)
+    baseline, planned = interleaved(unplanned, run, inputs, loop, args.rounds)
+    ratios = [p.step_ms / u.step_ms for u, p in zip(baseline, planned)]
+    baseline, planned = _summary(baseline), _summary(planned)
     rows = [
         ("peak, no checkpointing", plan.baseline_peak_bytes, baseline.peak_bytes),
         ("peak, with the plan", plan.predicted_peak_bytes, planned.peak_bytes),
@@ -62,9 +65,9 @@ def verify_plan_file(args) -> int:
     comparable = plan.target == "cpu" or device == "cuda"
     print(f"{'step, no checkpointing':<24}{plan.baseline_step_ms:>11.1f} ms{baseline.step_ms:>11.1f} ms")
     print(f"{'step, with the plan':<24}{plan.step_ms:>11.1f} ms{planned.step_ms:>11.1f} ms")
-    print(f"measured overhead {planned.step_ms / baseline.step_ms - 1:+.1%} (predicted {plan.overhead:+.1%}); "
-          f"medians of the timed steps: {_steps(baseline)} ms without, {_steps(planned)} ms with the plan "
-          "(a busy machine spreads them: compare with care)")
+    print(f"measured overhead {statistics.median(ratios) - 1:+.1%} (predicted {plan.overhead:+.1%}): the median "
+          f"over {len(ratios)} interleaved rounds, {min(ratios) - 1:+.1%} to {max(ratios) - 1:+.1%} (a busy "
+          "machine spreads them: more --rounds narrow the median's uncertainty)")
     if not comparable:
         print(f"(times predicted for {plan.target}, measured on this CPU: compare the overheads, not the ms)")
     elif device == "cuda":
@@ -109,8 +112,27 @@ def routing_report(plan, seen, kept: bool) -> str:
     return text
 
 
-def _steps(m) -> str:
-    return ", ".join(f"{t:.0f}" for t in m.step_ms_all)
+def interleaved(unplanned, planned, inputs, loop: dict, rounds: int) -> tuple[list, list]:
+    """Measure ``unplanned`` and ``planned`` (:func:`autosac.tools.measure.measure`
+    with ``loop``) in ``rounds`` rounds, the order turning each round, so that
+    a machine whose speed drifts weighs on both alike; each one's measurements,
+    round by round."""
+    from autosac.tools.measure import measure
+
+    runs: dict[str, list] = {"unplanned": [], "planned": []}
+    models = {"unplanned": unplanned, "planned": planned}
+    for r in range(rounds):
+        for name in (("unplanned", "planned") if r % 2 == 0 else ("planned", "unplanned")):
+            runs[name].append(measure(models[name], inputs, **loop))
+    return runs["unplanned"], runs["planned"]
+
+
+def _summary(runs: list):
+    """Rounds' measurements as one: the most peak bytes any round read, the median step time."""
+    from dataclasses import replace
+
+    return replace(max(runs, key=lambda m: m.peak_bytes), step_ms=statistics.median(m.step_ms for m in runs),
+                   step_ms_all=[t for m in runs for t in m.step_ms_all])
 
 
 def _device_for(plan, path: str) -> str:
