@@ -110,10 +110,11 @@ def no_cache_hook(module: nn.Module, args, kwargs):
 def caches_off(model: nn.Module):
     """:func:`no_cache_hook` on every outermost transformers model inside
     ``model`` for the block (the trace's step), removed after."""
+    found = transformers_models(model)
     # run outside a compiled trace's graph, as the applied model's hook runs under a user's torch.compile (Dynamo
-    # would trace the functools.cache above, and warn that it ignores it)
-    hook = torch.compiler.disable(no_cache_hook)
-    handles = [m.register_forward_pre_hook(hook, with_kwargs=True, prepend=True) for _, m in transformers_models(model)]
+    # would trace the functools.cache above, and warn that it ignores it); made only where needed: it imports Dynamo
+    hook = torch.compiler.disable(no_cache_hook) if found else None
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True, prepend=True) for _, m in found]
     try:
         yield
     finally:
