@@ -159,6 +159,29 @@ def test_hf_trainer_plans_a_model_loaded_in_eval_mode_for_the_training_steps(tmp
     assert got[2] <= loaded.plan.budget_bytes, (got[2], loaded.plan.budget_bytes)
 
 
+def test_planning_for_a_trainer_leaves_every_module_in_its_mode():
+    """A model in training with a submodule its user keeps in eval mode (a
+    frozen batch norm, which Lightning leaves so) is traced and left that way;
+    a model in eval mode is traced training and handed back in eval mode."""
+    from torch import nn
+
+    from autosac.trainers.common import PlanRequest, plan_and_apply
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 256), nn.BatchNorm1d(256), nn.GELU(), nn.Dropout(0.1), nn.Linear(256, 32))
+
+    x = torch.randn(64, 32)
+    request = PlanRequest(budget="least", target="cpu", loss_fn=lambda out: out.float().sum())
+    frozen = build()
+    frozen[1].eval()
+    plan_and_apply(frozen, x, request)
+    assert [m.training for m in frozen] == [True, False, True, True, True] and frozen.training
+    loaded = build().eval()
+    plan_and_apply(loaded, x, request)
+    assert not any(m.training for m in loaded.modules())
+
+
 def test_hf_trainer_gradient_checkpointing_is_replaced_in_one_line(tmp_path):
     from autosac.applier import applied_plan
     from autosac.trainers.hf import AutosacCallback

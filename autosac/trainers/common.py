@@ -50,8 +50,8 @@ class PlanRequest:
 
 def plan_and_apply(model: nn.Module, example_inputs, request: PlanRequest) -> Plan:
     """Profile one training step of ``model`` on ``example_inputs`` as
-    ``request`` describes (in training mode, whatever mode the model is in
-    now: the trainer trains it), solve for its budget and apply the plan to
+    ``request`` describes (in training mode where the model is in eval mode
+    now: the trainer trains it; the modes are restored after), solve for its budget and apply the plan to
     ``model`` in place.
 
     Returns:
@@ -63,14 +63,17 @@ def plan_and_apply(model: nn.Module, example_inputs, request: PlanRequest) -> Pl
     """
     target = request.target if request.target is not None else default_target(model)
     # traced in training mode, as the trainer's steps run: a model from transformers' from_pretrained is in eval
-    # mode when training begins (the Trainer calls train() in each step), and its plan had no dropout in it
-    was_training = model.training
-    model.train()
+    # mode when training begins (the Trainer calls train() in each step), and its plan had no dropout in it.  A
+    # model already training keeps its submodules' modes (Lightning keeps those a user left in eval mode)
+    modes = {m: m.training for m in model.modules()}
+    if not model.training:
+        model.train()
     try:
         plan = solve(model, request.budget, example_inputs, loss_fn=request.loss_fn, optimizer=request.optimizer,
                      target=target, autocast=request.autocast, loop=request.loop, **request.solve_kwargs)
     finally:
-        model.train(was_training)
+        for m, training in modes.items():
+            m.training = training
     apply(model, plan)
     log.info("autosac plan applied (%d modules checkpointed):\n%s", len(plan.decisions), plan)
     return plan
