@@ -44,7 +44,8 @@ def verify_plan_file(args) -> int:
     amp = getattr(torch, plan.autocast) if plan.autocast else None
     # two micro-batches reach an accumulating step's peak: from the second on, every gradient is alive
     loop = dict(steps=args.steps, optimizer=plan.optimizer, autocast=amp, loop=plan.loop.measuring())
-    routed = copy.deepcopy(model) if plan.routing else None  # the weights the routing is measured with
+    # the weights the routing is measured with: on the CPU meanwhile (a CUDA peak counts every tensor on the device)
+    routed = copy.deepcopy(model).to("cpu") if plan.routing else None
     unplanned = copy.deepcopy(model)
     autosac.applier.apply(model, plan)
     run = model
@@ -52,7 +53,8 @@ def verify_plan_file(args) -> int:
         torch._dynamo.reset()
         run = torch.compile(model, backend=plan.compiled["backend"])
         print(f"(the plan was made for torch.compile(backend={plan.compiled['backend']!r}): measured compiled)")
-    baseline, planned = interleaved(unplanned, run, inputs, loop, args.rounds)
+    baseline, planned = interleaved({"unplanned": (unplanned, unplanned), "planned": (run, model)}, inputs, loop,
+                                    args.rounds, device)
     ratios = [p.step_ms / u.step_ms for u, p in zip(baseline, planned)]
     baseline, planned = _summary(baseline), _summary(planned)
     rows = [
@@ -76,7 +78,7 @@ def verify_plan_file(args) -> int:
     print(f"budget {format_bytes(plan.budget_bytes)}: {'kept' if ok else 'EXCEEDED'}"
           + ("" if ok else f" by {format_bytes(planned.peak_bytes - plan.budget_bytes)}"))
     if plan.routing:
-        print(routing_report(plan, measured_routing(routed, inputs, plan, amp), ok))
+        print(routing_report(plan, measured_routing(routed.to(device), inputs, plan, amp), ok))
     return 0 if ok else 1
 
 
@@ -112,18 +114,22 @@ def routing_report(plan, seen, kept: bool) -> str:
     return text
 
 
-def interleaved(unplanned, planned, inputs, loop: dict, rounds: int) -> tuple[list, list]:
-    """Measure ``unplanned`` and ``planned`` (:func:`autosac.tools.measure.measure`
-    with ``loop``) in ``rounds`` rounds, the order turning each round, so that
-    a machine whose speed drifts weighs on both alike; each one's measurements,
-    round by round."""
+def interleaved(models: dict, inputs, loop: dict, rounds: int, device: str = "cpu") -> tuple[list, list]:
+    """Measure the ``"unplanned"`` and ``"planned"`` models (name -> (what to run,
+    its module), :func:`autosac.tools.measure.measure` with ``loop``) in
+    ``rounds`` rounds, the order turning each round, so that a machine whose
+    speed drifts weighs on both alike; each one's measurements, round by round.
+    On a GPU the model not being measured waits on the CPU: a CUDA peak counts
+    every tensor on the device."""
     from autosac.tools.measure import measure
 
     runs: dict[str, list] = {"unplanned": [], "planned": []}
-    models = {"unplanned": unplanned, "planned": planned}
     for r in range(rounds):
         for name in (("unplanned", "planned") if r % 2 == 0 else ("planned", "unplanned")):
-            runs[name].append(measure(models[name], inputs, **loop))
+            if device == "cuda":
+                for other, (_, module) in models.items():
+                    module.to("cpu" if other != name else device)
+            runs[name].append(measure(models[name][0], inputs, **loop))
     return runs["unplanned"], runs["planned"]
 
 
