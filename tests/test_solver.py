@@ -332,7 +332,8 @@ def test_an_infeasible_budget_below_the_optimizer_state_names_the_remedy():
         autosac.solve(stats, between)
     rest = autosac.core.budget.format_bytes(e.value.min_feasible_bytes - fixed)
     assert f"workspaces hold {autosac.core.budget.format_bytes(fixed)} per rank" in str(e2.value)
-    assert f"what no plan frees (activations, the step's inputs and output) the other {rest}" in str(e2.value)
+    assert f"what no plan frees (activations, the step's inputs and output, temporaries) the other {rest}" \
+        in str(e2.value)
     assert "alone" not in str(e2.value)
     # sharded over enough ranks, the same budget is a matter of checkpointing
     sharded = autosac.profile(model, idx, optimizer="adamw", world_size=64)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import weakref
 
 import torch
@@ -393,7 +394,7 @@ def _check_units(state: dict, module: nn.Module) -> None:
     if state.get("units_checked"):
         return
     state["units_checked"] = True
-    if not torch.distributed.is_available():
+    if "torch.distributed.fsdp" not in sys.modules:  # never imported: no module is sharded (and no import to pay)
         return
     from torch.distributed.fsdp import FSDPModule
 
@@ -406,7 +407,8 @@ def _check_units(state: dict, module: nn.Module) -> None:
             raise ValueError(
                 f"autosac: checkpointed module {fqn!r} holds the FSDP2 unit {fqn + '.' + inner!r}, whose parameters "
                 "its re-run would gather again: plan with autosac.profile(..., world_size=<ranks>, shard_units=<the "
-                "modules you fully_shard>) and apply that plan"
+                "modules you fully_shard>) and apply that plan, or fully_shard only modules no checkpointed module "
+                "holds"
             )
 
 

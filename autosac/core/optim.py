@@ -44,13 +44,14 @@ def optimizer_name(spec: OptimizerSpec) -> str:
 
 
 def default_loss(output) -> torch.Tensor:
-    """The output itself when it is a scalar tensor; a transformers output's
-    ``loss`` where it has one (the model computed it from the batch's labels);
-    else ``output.float().sum()`` (over every tensor in a tuple/dict output)."""
+    """The output itself when it is a scalar tensor; an output mapping's
+    scalar ``loss`` where it has one (a transformers output: the model
+    computed it from the batch's labels); else ``output.float().sum()`` (over
+    every tensor in a tuple/dict output)."""
     if isinstance(output, torch.Tensor):
         return output if output.dim() == 0 else output.float().sum()
     loss = output.get("loss") if isinstance(output, Mapping) else None
-    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
         return loss
     tensors = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
     if not tensors:

@@ -254,7 +254,7 @@ def _remedy(stats: ModelStats, budget_bytes: int, least: int) -> str:
     hold = "hold" if workspace else "holds"
     if budget_bytes >= state + workspace:  # the budget is above them: what no plan frees is the rest
         return (f"of the least peak {what} {hold} {format_bytes(state + workspace)} per rank ({parts}) and what no "
-                f"plan frees (activations, the step's inputs and output) the other "
+                f"plan frees (activations, the step's inputs and output, temporaries) the other "
                 f"{format_bytes(least - state - workspace)} -- raise the budget to at least the least peak (budget "
                 "'least' plans there), or lower the fixed part: shard over more ranks (world_size), use a lighter "
                 "optimizer (sgd, or none)")

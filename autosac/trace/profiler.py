@@ -58,7 +58,8 @@ def profile(
         model: the ``nn.Module`` to profile (left unchanged).
         example_inputs: a tensor, a tuple of positional args, or a dict of kwargs.
         loss_fn: ``loss_fn(output) -> scalar``; default: the output if scalar,
-            else ``output.float().sum()``.
+            an output mapping's scalar ``loss`` (a transformers output's, where the
+            batch held labels), else the sum of every tensor in the output.
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"none"`` or ``callable(params)``.
         target: a device-table name (``"h100"``, ``"h200"``, ``"a100"``, ``"l4"``,
             ``"cpu"`` = timed on this machine) or a :class:`DeviceSpec`.
