@@ -201,6 +201,10 @@ def test_units_as_given_match_real_fsdp2(tmp_path):
     one = build_problem(autosac.profile(model, idx, optimizer="adamw", target=A100_CPU_KERNELS))
     sharded = autosac.profile(model, idx, shard_units="blocks.*.attn,blocks.*.mlp", **kw)
     assert "blocks.0" in {c.fqn for c in one.candidates} - {c.fqn for c in build_problem(sharded).candidates}
+    from autosac.solver import plan_from_decisions
+
+    with pytest.raises(ValueError, match=r"'blocks.0' is not a checkpointing candidate \(it holds an FSDP2 unit"):
+        plan_from_decisions(sharded, {"blocks.0": 1.0})
     least = autosac.solve(sharded, "least")
     assert least.decisions and not [f for f in least.decisions for u in inner if u.startswith(f + ".")]
     measured, planned, sublayers = _fsdp_peaks(tmp_path, 2, {"units": units}, {"plan": plan, "units": units},

@@ -16,7 +16,7 @@ from autosac.solver.chain import NotAChain, solve_chain
 from autosac.solver.milp import build_milp, decode, encode, milp_needs, with_objective_bound
 from autosac.solver.problem import Problem, build_problem
 from autosac.solver.replay import ModuleReplay, saved_inside
-from autosac.solver.sharding import describe_units
+from autosac.solver.sharding import describe_units, unit_holders
 
 __all__ = ["solve_budget", "solve_stats", "usable_budget", "check_solve_options", "least_peak", "least_peak_bytes", "plan_from_decisions"]
 
@@ -189,7 +189,9 @@ def plan_from_decisions(
     choice = {}
     for fqn, ratio in decisions.items():
         if fqn not in index:
-            raise ValueError(f"module {fqn!r} is not a checkpointing candidate (with discardable activations)")
+            why = ("it holds an FSDP2 unit inside it, whose parameters its re-run would gather again"
+                   if stats.world_size > 1 and fqn in unit_holders(stats) else "no discardable activations")
+            raise ValueError(f"module {fqn!r} is not a checkpointing candidate ({why})")
         if not 0 < ratio <= 1:
             raise ValueError(f"discard ratio {ratio!r} of {fqn!r} is not in (0, 1]")
         cand = problem.candidates[index[fqn]]
