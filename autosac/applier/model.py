@@ -381,7 +381,8 @@ def _check_device(state: dict, module) -> None:
 
 
 def _check_units(state: dict, module: nn.Module) -> None:
-    """At the first training forward: no checkpointed module may hold an
+    """At the first training forward (and the first after the root is
+    sharded, which changes its class): no checkpointed module may hold an
     FSDP2 unit (a module ``fully_shard`` was applied to) inside it.  Its
     re-run in the backward would run the unit's hooks again -- a parameter
     gather the forward did not make there, on the ranks that re-run it only
@@ -391,9 +392,9 @@ def _check_units(state: dict, module: nn.Module) -> None:
 
     Raises:
         ValueError: naming the region, the unit inside it and the fix."""
-    if state.get("units_checked"):
+    if state.get("units_checked") is type(module):  # checked, and not sharded since (fully_shard changes the class)
         return
-    state["units_checked"] = True
+    state["units_checked"] = type(module)
     if "torch.distributed.fsdp" not in sys.modules:  # never imported: no module is sharded (and no import to pay)
         return
     from torch.distributed.fsdp import FSDPModule
@@ -403,7 +404,7 @@ def _check_units(state: dict, module: nn.Module) -> None:
             continue
         inner = next((name for name, m in region.named_modules() if name and isinstance(m, FSDPModule)), None)
         if inner is not None:
-            state["units_checked"] = False  # the error again at the next forward, not a run past it
+            state["units_checked"] = None  # the error again at the next forward, not a run past it
             raise ValueError(
                 f"autosac: checkpointed module {fqn!r} holds the FSDP2 unit {fqn + '.' + inner!r}, whose parameters "
                 "its re-run would gather again: plan with autosac.profile(..., world_size=<ranks>, shard_units=<the "
