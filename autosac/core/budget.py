@@ -13,11 +13,10 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 _PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-z]*|%)\s*$", re.IGNORECASE)
-ACCEPTED = ('a string like "8GiB", "500MB", "60%" (of the unconstrained peak), "least" (the least feasible), '
-            'an int of bytes, or a float of GiB')
+_FORMS = '"8GiB", "500MB", "60%" (of the unconstrained peak), "least" (the least feasible),'
+ACCEPTED = f"a string like {_FORMS} an int of bytes, or a float of GiB"
 # what a string may say (the command line's --budget is one): whole bytes, no float of GiB
-ACCEPTED_TEXT = ('"8GiB", "500MB", "60%" (of the unconstrained peak), "least" (the least feasible), '
-                 'or whole bytes such as "100000000"')
+ACCEPTED_TEXT = f'{_FORMS} or whole bytes such as "100000000"'
 LEAST = "least"
 
 

@@ -155,6 +155,32 @@ def measure(
     return Measurement(_cpu_peak(runner, ahead), _median(times), times, loss)
 
 
+def in_rounds(variants: list, rounds: int) -> dict:
+    """Run each variant's measurement once a round for ``rounds`` rounds, each
+    round starting one variant further along, so that a machine whose speed
+    drifts through a round favours none of them.
+
+    Args:
+        variants: ``(key, run)`` pairs; ``run()`` measures the variant once
+            (a :class:`Measurement`, from :func:`measure`).
+        rounds: how many rounds.
+
+    Returns:
+        key -> that variant's measurements, round by round.
+
+    Example::
+
+        >>> got = in_rounds([("plain", lambda: measure(m0, x)), ("planned", lambda: measure(m1, x))], 5)
+        >>> [p.step_ms / u.step_ms for u, p in zip(got["plain"], got["planned"])]
+    """
+    out = {key: [] for key, _ in variants}
+    for r in range(rounds):
+        turn = r % len(variants)
+        for key, run in variants[turn:] + variants[:turn]:
+            out[key].append(run())
+    return out
+
+
 class _LoopRunner:
     """The training loop :func:`measure` runs (:mod:`autosac.core.loop`):
     each step runs ``loop.grad_accumulation`` forwards and backwards, then

@@ -192,7 +192,7 @@ def measure_sweep(result: Sweep, model, example_inputs, *, steps: int = 2, round
     import statistics
 
     from autosac.applier import apply
-    from autosac.tools.measure import measure
+    from autosac.tools.measure import in_rounds, measure
 
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"measure_sweep needs steps >= 1 (timed steps give the overheads), got {steps!r}")
@@ -208,24 +208,15 @@ def measure_sweep(result: Sweep, model, example_inputs, *, steps: int = 2, round
     if result.blocks:
         result.torch_checkpoint = SweepPoint(0, status="torch.utils.checkpoint", modules=len(result.blocks))
         variants.append((result.torch_checkpoint, lambda: _torch_checkpointed(model, result.blocks)))
-    peaks, ratios = {id(p): 0 for p, _ in variants}, {id(p): [] for p, _ in variants}
-    base_peak = 0
     runs = [(None, lambda: copy.deepcopy(model)), *variants]  # None: the unmodified model
-    for r in range(rounds):
-        got = {}
-        # one copy alive at a time (a large model's copies need not fit together); the order turns
-        # each round, so a machine drifting through a round does not favour whatever runs first
-        for point, build in runs[r % len(runs):] + runs[: r % len(runs)]:
-            got[id(point)] = measure(build(), example_inputs, **loop)
-        base = got[id(None)]
-        base_peak = max(base_peak, base.peak_bytes)
-        for point, _ in variants:
-            peaks[id(point)] = max(peaks[id(point)], got[id(point)].peak_bytes)
-            ratios[id(point)].append(got[id(point)].step_ms / base.step_ms)
-    result.measured_baseline_peak_bytes = base_peak
+    # one copy alive at a time (a large model's copies need not fit together), built afresh each round
+    got = in_rounds([(id(point), lambda build=build: measure(build(), example_inputs, **loop))
+                     for point, build in runs], rounds)
+    base = got[id(None)]
+    result.measured_baseline_peak_bytes = max(m.peak_bytes for m in base)
     for point, _ in variants:
-        point.measured_peak_bytes = peaks[id(point)]
-        point.measured_overhead = statistics.median(ratios[id(point)]) - 1
+        point.measured_peak_bytes = max(m.peak_bytes for m in got[id(point)])
+        point.measured_overhead = statistics.median(m.step_ms / b.step_ms for m, b in zip(got[id(point)], base)) - 1
     if result.torch_checkpoint is not None:
         result.torch_checkpoint.budget_bytes = result.torch_checkpoint.measured_peak_bytes
     return result

@@ -116,21 +116,20 @@ def routing_report(plan, seen, kept: bool) -> str:
 
 def interleaved(models: dict, inputs, loop: dict, rounds: int, device: str = "cpu") -> tuple[list, list]:
     """Measure the ``"unplanned"`` and ``"planned"`` models (name -> (what to run,
-    its module), :func:`autosac.tools.measure.measure` with ``loop``) in
-    ``rounds`` rounds, the order turning each round, so that a machine whose
-    speed drifts weighs on both alike; each one's measurements, round by round.
-    On a GPU the model not being measured waits on the CPU: a CUDA peak counts
-    every tensor on the device."""
-    from autosac.tools.measure import measure
+    its module), :func:`autosac.tools.measure.measure` with ``loop``) in turns
+    (:func:`autosac.tools.measure.in_rounds`); each one's measurements, round
+    by round.  On a GPU the model not being measured waits on the CPU: a CUDA
+    peak counts every tensor on the device."""
+    from autosac.tools.measure import in_rounds, measure
 
-    runs: dict[str, list] = {"unplanned": [], "planned": []}
-    for r in range(rounds):
-        for name in (("unplanned", "planned") if r % 2 == 0 else ("planned", "unplanned")):
-            if device == "cuda":
-                for other, (_, module) in models.items():
-                    module.to("cpu" if other != name else device)
-            runs[name].append(measure(models[name][0], inputs, **loop))
-    return runs["unplanned"], runs["planned"]
+    def run(name):
+        if device == "cuda":
+            for other, (_, module) in models.items():
+                module.to("cpu" if other != name else device)
+        return measure(models[name][0], inputs, **loop)
+
+    got = in_rounds([(name, lambda name=name: run(name)) for name in ("unplanned", "planned")], rounds)
+    return got["unplanned"], got["planned"]
 
 
 def _summary(runs: list):

@@ -51,8 +51,8 @@ class PlanRequest:
 def plan_and_apply(model: nn.Module, example_inputs, request: PlanRequest) -> Plan:
     """Profile one training step of ``model`` on ``example_inputs`` as
     ``request`` describes (in training mode where the model is in eval mode
-    now: the trainer trains it; the modes are restored after), solve for its budget and apply the plan to
-    ``model`` in place.
+    now: the trainer trains it; every module's mode is restored after), solve
+    for its budget and apply the plan to ``model`` in place.
 
     Returns:
         Plan: the plan applied (also logged, as its table, on the ``autosac`` logger).
