@@ -28,7 +28,7 @@ def _state_host_figures() -> None:
         untimed_op_us=4.384, backward_op_us=7.25, backward_untimed_us=3.426, small_op_bytes=25203.0,
         large_op_bytes=778077.0, untimed_us_per_mib=143.285, backward_untimed_us_per_mib=97.254,
         selective_us_per_mib=99.059, largest_op_bytes=2097152.0, cold_read_us_per_mib=28.916,
-        cast_hook_us=4.165, cast_remake_us=59.623, call_gap_us=12.63, state_item_us=0.2912)
+        cast_hook_us=4.165, cast_remake_us=59.623, call_gap_us=12.63, state_item_us=0.2912, host_rng_us=170.0)
     calibrate._measured(TimingCache(), lambda: stated)
 
 # ``target="cpu"`` timings are kept per machine; the suite keeps its own, in a temporary folder

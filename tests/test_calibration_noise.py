@@ -695,6 +695,7 @@ def test_the_figures_timed_apart_take_one_sample_each_per_round_and_their_median
     order = []
     gaps = iter([999.0, 100.0, 300.0, 200.0, 5000.0])  # the warm-up's first, then one a round
     bursts = iter([9.0, 0.5, 0.1, 0.3, 0.2])
+    rngs = iter([900.0, 50.0, 10.0, 30.0, 20.0])
 
     def gap_round(setup, x):
         def one():
@@ -707,12 +708,18 @@ def test_the_figures_timed_apart_take_one_sample_each_per_round_and_their_median
         return next(bursts)
 
     monkeypatch.setattr(apart, "_call_gap_round", gap_round)
+    def rng_burst():
+        order.append("rng")
+        return next(rngs)
+
     monkeypatch.setattr(apart, "_state_burst_us", burst)
+    monkeypatch.setattr(apart, "_host_rng_burst_us", rng_burst)
     region = nn.Linear(2, 2)
     models = {"tiny": {"gap_roots": 10.0}, "deep": {"variants": {"twice": [type("R", (), {"region": region})()]}}}
     got = apart.apart_figures(models, torch.zeros(1), rounds=4)
-    assert order == ["gap", "state"] * 5  # interleaved, the warm-up's pair not counted
-    assert got == {"call_gap_us": 25.0, "state_item_us": 0.25}  # medians of (100, 300, 200, 5000) / 10, (.5, .1, .3, .2)
+    assert order == ["gap", "state", "rng"] * 5  # interleaved, the warm-up's not counted
+    # medians of (100, 300, 200, 5000) / 10, (.5, .1, .3, .2), (50, 10, 30, 20)
+    assert got == {"call_gap_us": 25.0, "state_item_us": 0.25, "host_rng_us": 25.0}
 
 
 def test_each_rounds_figures_are_brought_to_the_rounds_typical_speed():

@@ -45,7 +45,7 @@ def test_host_costs_are_checked_and_travel_with_the_target():
                                     "selective_us_per_mib": 0.0, "largest_op_bytes": 0.0,
                                     "cold_read_us_per_mib": 0.0, "cast_hook_us": 0.0,
                                     "cast_remake_us": 0.0, "call_gap_us": 0.0,
-                                    "state_item_us": 0.0, "checkpoint_us_per_mib": 0.0}
+                                    "state_item_us": 0.0, "checkpoint_us_per_mib": 0.0, "host_rng_us": 0.0}
     assert autosac.ModelStats.from_json(stats.to_json()).target == stats.target
     # a figure a newer autosac added is left out, not a TypeError at solve time
     newer = {**spec.to_dict(), "host": {**HostCosts(1.0, 2.0, 3.0, 4.0).to_dict(), "figure_of_the_future_us": 9.0}}

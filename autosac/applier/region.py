@@ -32,8 +32,9 @@ plan's :attr:`~autosac.core.plan.Decision.calls` by position:
   shape; views, writes and random ops always run.  Outside tensors the region
   writes are read and written, in the replay, in a copy of them as they were
   when the region started, and the Python state the forward started from is
-  swapped in for the replay (:mod:`autosac.core.pystate`): recomputation never
-  updates anything twice.  A replay in a backward that frees the graph hands
+  swapped in for the replay (:mod:`autosac.core.pystate`; with Python's and
+  NumPy's global generators where the traced forward drew from them):
+  recomputation never updates anything twice, and draws what the forward drew.  A replay in a backward that frees the graph hands
   each cached output over and drops it (as early as PyTorch's own SAC frees
   it); one that retains the graph (``retain_graph=True``, ``create_graph=True``)
   hands out new aliases and keeps the cache for the next backward.
@@ -67,6 +68,8 @@ class RegionPolicy:
     # recompute everything, and the trace saw no write to a tensor made outside:
     # plain checkpointing does it, with no per-op work (see RegionCall.contexts)
     plain: bool = False
+    # its forward draws from Python's or NumPy's global generator: their states are captured per call
+    host_rng: bool = True
     warned: set[str] = field(default_factory=set, repr=False)
     # torch.utils.checkpoint's context_fn under torch.compile (autosac.applier.compiled):
     # built once here, so Dynamo finds a constant rather than tracing its making
@@ -85,11 +88,12 @@ class RegionPolicy:
         skip = frozenset(int(i) for i in d.skip) - save
         if any(not 0 <= i < n for i in save | skip):
             raise ValueError(f"call index out of range in the decision for {d.fqn!r}")
-        return cls(d.fqn, calls, save, skip, plain=not save and not bool(d.writes_outside))
+        return cls(d.fqn, calls, save, skip, plain=not save and not bool(d.writes_outside),
+                   host_rng=bool(d.host_rng))
 
     def start(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> RegionCall:
         """A new forward call of the module with these arguments."""
-        call = RegionCall(self, capture(module, args, kwargs))
+        call = RegionCall(self, capture(module, args, kwargs, self.host_rng))
         if self.plain:
             call.watch_versions([*module.buffers(), *tensors_in(args, kwargs)])
         return call

@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
-CACHE_KEY = "host-costs-v30"  # bump when the micro-benchmark changes (v12: a large size too, autosac.core.hostsize;
+CACHE_KEY = "host-costs-v31"  # bump when the micro-benchmark changes (v12: a large size too, autosac.core.hostsize;
 # v13: cold_read_us_per_mib, autosac.core.coldread; v14: cast_hook_us; v15: figures as medians of per-round figures;
 # v16: first_call_us; v17: call_gap_us in its place, checkpoint_call_us and saved_tensor_us at no gap;
 # state_item_us; v18: call_gap_us in the rounds, the models' op timings taken anew, medians over noisy calibrations;
@@ -29,11 +29,12 @@ CACHE_KEY = "host-costs-v30"  # bump when the micro-benchmark changes (v12: a la
 # v28: checkpoint_us_per_mib no longer measured, autosac.tools.calibration_size;
 # v29: the large model's backward kernels timed in each round; an op's per-MiB extra capped at the large
 # calibration's largest op, largest_op_bytes, not at its typical one;
-# v30: ops on an expanded input (a sum's gradient) timed, not priced by the roofline, autosac.trace.costs.real_inputs)
+# v30: ops on an expanded input (a sum's gradient) timed, not priced by the roofline, autosac.trace.costs.real_inputs;
+# v31: host_rng_us)
 _FIELDS = ("op_us", "checkpoint_call_us", "saved_tensor_us", "selective_op_us", "untimed_op_us", "backward_op_us",
            "backward_untimed_us", "small_op_bytes", "large_op_bytes", "largest_op_bytes", "untimed_us_per_mib", "backward_untimed_us_per_mib",
            "selective_us_per_mib", "cold_read_us_per_mib", "cast_hook_us", "cast_remake_us", "call_gap_us",
-           "state_item_us", "checkpoint_us_per_mib")
+           "state_item_us", "checkpoint_us_per_mib", "host_rng_us")
 _SIGNED = ("backward_untimed_us",)
 _PER_OP = ("op_us", "selective_op_us", "untimed_op_us", "backward_op_us", "backward_untimed_us", "cast_hook_us",
            "cast_remake_us")
@@ -96,6 +97,10 @@ class HostCosts:
     # (weighted as the per-MiB figures above): it runs cache-cold after large kernels; not measured
     # since host-costs-v28, priced where stated (autosac.tools.calibration_size says why)
     checkpoint_us_per_mib: float = 0.0
+    # a checkpointed call of a module whose forward draws from Python's or NumPy's global generator
+    # (ModuleStats.host_rng): their states captured at its forward, swapped in for the replay and put
+    # back (autosac.core.rng.HostRng; 0: not measured)
+    host_rng_us: float = 0.0
 
     def size_us(self, nbytes: float, us_per_mib: float) -> float:
         """What an op making ``nbytes`` adds to the checkpointing machinery's
@@ -132,9 +137,10 @@ class HostCosts:
         return max(0.0, kernel_ms + (untimed if timed else whole) / 1e3)
 
     def checkpoint_ms(self, saved_tensors: int, ops: int, selective: bool, op_bytes=(), roots: float = 0.0,
-                      state_items: int = 0) -> float:
+                      state_items: int = 0, host_rng: bool = False) -> float:
         """What checkpointing one call costs the host: per call, per tensor its
-        forward saves, per item of Python state it captures, (selectively) per
+        forward saves, per item of Python state it captures, the host
+        generators' states where ``host_rng`` (:attr:`host_rng_us`), (selectively) per
         op call, in the forward and the replay, and :meth:`gap_us` of ``roots``
         for the op calls run since the machinery last ran.  ``op_bytes``: what each op call makes,
         where its kernels run on this CPU: large ones cost the call's machinery
@@ -142,7 +148,7 @@ class HostCosts:
         MiB they make, up to the large calibration's typical op
         (:func:`autosac.core.hostsize.machinery_us`)."""
         us = self.checkpoint_call_us + saved_tensors * self.saved_tensor_us + self.gap_us(roots)
-        us += state_items * self.state_item_us
+        us += state_items * self.state_item_us + (self.host_rng_us if host_rng else 0.0)
         if self.checkpoint_us_per_mib:
             us += sum(self.size_us(b, self.checkpoint_us_per_mib) for b in op_bytes)
         if selective:

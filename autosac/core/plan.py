@@ -54,7 +54,9 @@ class Decision:
     replay needs: it does not compute them.  A forward whose op sequence or
     dataflow differs from ``calls`` is handled per call (see the applier).
     ``writes_outside``: the traced forward writes in place a tensor made before
-    it (batch norm's running stats, say); True where unknown.
+    it (batch norm's running stats, say); True where unknown.  ``host_rng``:
+    the traced forward drew from Python's or NumPy's global generator, whose
+    states the replay then starts from as the forward did; True where unknown.
     """
 
     fqn: str
@@ -67,6 +69,7 @@ class Decision:
     save: list[int] = field(default_factory=list)
     skip: list[int] = field(default_factory=list)
     writes_outside: bool = True
+    host_rng: bool = True
     mechanism_ms: float = 0.0  # of recompute_ms: what the checkpointing machinery costs the host (autosac.tools.calibrate)
 
 

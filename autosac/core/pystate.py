@@ -11,6 +11,10 @@ contents of lists and dicts they hold); the replay runs with that state
 swapped in, and the state the forward left is put back afterwards, so the
 replay sees what the forward saw and leaves no trace.
 
+A forward that draws from Python's or NumPy's global generator (the trace
+notes which do: ``ModuleStats.host_rng``) has their states captured too
+(:class:`autosac.core.rng.HostRng`), so its replay draws what it drew.
+
 Tensors mutated in place (batch norm's running stats) are a dispatch-level
 matter, handled by :mod:`autosac.applier.region`.  The trace installs the
 state it captured when it is done, so attributes a forward assigned under
@@ -26,6 +30,8 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from autosac.core.rng import HostRng
+
 _ATOMS = (
     type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.dtype, torch.device,
     types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType, type,
@@ -38,13 +44,18 @@ _PLAIN_CONTAINERS = frozenset({list, dict, OrderedDict})
 class State:
     """Saved attribute bindings of some objects, restorable in place."""
 
-    def __init__(self, saved: list[tuple[object, object]], empty: list | None = None) -> None:
+    def __init__(self, saved: list[tuple[object, object]], empty: list | None = None,
+                 rng: HostRng | None = None) -> None:
         self._saved = saved  # (container, copy of its contents)
         # containers that were empty (most of a module's hook tables): nothing to copy
         self._empty = empty or []
+        self._rng = rng  # the host generators' states, where captured
 
     def install(self) -> None:
-        """Make every captured container hold exactly what it held at capture time."""
+        """Make every captured container hold exactly what it held at capture
+        time (and the host generators, where captured, their states)."""
+        if self._rng is not None:
+            self._rng.install()
         for obj in self._empty:
             if obj:
                 obj.clear()
@@ -79,14 +90,16 @@ class State:
         """The same containers' contents as they are now."""
         saved = [(obj, _contents(obj)) for obj, _ in self._saved]
         saved.extend((obj, _contents(obj)) for obj in self._empty if obj)
-        return State(saved, [obj for obj in self._empty if not obj])
+        return State(saved, [obj for obj in self._empty if not obj], None if self._rng is None else HostRng.now())
 
 
-def capture(module: nn.Module, args: tuple, kwargs: dict) -> State:
+def capture(module: nn.Module, args: tuple, kwargs: dict, host_rng: bool = False) -> State:
     """Record the state of ``module``'s subtree and of the objects its arguments reach.
 
     Every module of the subtree is captured; other objects (reached from the
     arguments and from the modules' attributes) up to ``_MAX_OBJECTS``.
+    ``host_rng``: capture Python's and NumPy's global generators too (a
+    forward that draws from them).
 
     Example::
 
@@ -131,7 +144,7 @@ def capture(module: nn.Module, args: tuple, kwargs: dict) -> State:
         else:
             items = []
         todo.extend(reversed(items))
-    return State(saved, empty)
+    return State(saved, empty, HostRng.now() if host_rng else None)
 
 
 # What capture does with an object, decided once per type (a dict lookup per

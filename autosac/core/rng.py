@@ -1,9 +1,19 @@
-"""Random generators left as they were around work that must not move them.
+"""Random generators left as they were around work that must not move them,
+and the host's generators a checkpoint's replay must draw from again.
 
 Planning runs real ops (timing on this machine) and the user's forward (under
 fake tensors, but Python code in it may draw from ``random``); drawing a
 trainer's first batch may seed a sampler from torch's generator.  A seeded
-run after planning must draw exactly what it would have drawn without it.
+run after planning must draw exactly what it would have drawn without it
+(:func:`generators_kept`).
+
+A forward may also draw from Python's or NumPy's global generator (a
+SpecAugment mask from ``np.random``, a layer dropped on ``random.random()``).
+``torch.utils.checkpoint`` restores only torch's generators for its replay, so
+a replay of such a module would draw other values and compute other
+gradients, silently.  :class:`HostRng` is what the trace compares around each
+module's forward and what the applier swaps in for the replay of a module
+that drew.
 """
 
 from __future__ import annotations
@@ -13,6 +23,40 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
+
+
+class HostRng:
+    """The states of Python's ``random`` and NumPy's global generator at one moment.
+
+    Example::
+
+        >>> before = HostRng.now(); np.random.rand(); HostRng.now() == before
+        False
+        >>> before.install()      # the next np.random draw repeats the one above
+    """
+
+    __slots__ = ("py", "np")
+
+    def __init__(self, py, npstate) -> None:
+        self.py, self.np = py, npstate
+
+    @classmethod
+    def now(cls) -> HostRng:
+        return cls(random.getstate(), np.random.get_state())
+
+    def install(self) -> None:
+        random.setstate(self.py)
+        np.random.set_state(self.np)
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, HostRng):
+            return NotImplemented
+        # numpy's legacy state: (name, key array, pos, has_gauss, cached_gaussian)
+        a, b = self.np, other.np
+        return (self.py == other.py and a[2:] == b[2:] and a[0] == b[0]
+                and bool(np.array_equal(a[1], b[1])))
+
+    __hash__ = None
 
 
 @contextmanager

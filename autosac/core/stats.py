@@ -126,6 +126,10 @@ class ModuleStats:
     # what a checkpoint of it captures of the Python state its forward may change, at each call
     # (autosac.core.pystate: containers and entries; a call's host cost, HostCosts.state_item_us)
     state_items: int = 0
+    # its forward drew from Python's or NumPy's global generator (a mask from np.random, a layer dropped
+    # on random.random()): a checkpoint of it swaps their states in for the replay (autosac.core.rng);
+    # True where unknown
+    host_rng: bool = True
 
     @property
     def is_leaf(self) -> bool:

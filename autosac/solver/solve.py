@@ -353,7 +353,8 @@ def _decision(stats: ModelStats, cand, k: int) -> Decision:
         fqn=cand.fqn, ratio=min(1.0, cand.discarded[k - 1] / cand.discardable_bytes),
         discard_bytes=cand.discarded[k - 1], discardable_bytes=cand.discardable_bytes,
         recompute_ms=cand.ms[k - 1], ops=ops, calls=calls, save=sorted(save), skip=sorted(skip),
-        writes_outside=stats.modules[cand.fqn].writes_outside, mechanism_ms=cand.mechanism[k - 1],
+        writes_outside=stats.modules[cand.fqn].writes_outside, host_rng=stats.modules[cand.fqn].host_rng,
+        mechanism_ms=cand.mechanism[k - 1],
     )
 
 

@@ -63,6 +63,10 @@ own, whatever the kernels cost:
   checkpointed call captures, swaps in for its replay and puts back
   (:mod:`autosac.core.pystate`; :func:`autosac.tools.calibration_apart._state_burst_us`): a transformers
   block's attributes and config cost more than a small block's.
+* ``host_rng_us``: Python's and NumPy's generator states, which a
+  checkpointed call of a module whose forward draws from them captures,
+  swaps in for its replay and puts back (:class:`autosac.core.rng.HostRng`;
+  :func:`autosac.tools.calibration_apart._host_rng_burst_us`).
 
 :func:`calibrate` measures them on this machine with a micro-benchmark
 (small transformer blocks run plain, with each forward run twice,

@@ -1,5 +1,5 @@
 """The host figures :mod:`autosac.tools.calibrate` measures apart from its main
-rounds: ``call_gap_us`` and ``state_item_us`` in rounds of their own
+rounds: ``call_gap_us``, ``state_item_us`` and ``host_rng_us`` in rounds of their own
 (:func:`apart_figures`), and ``cold_read_us_per_mib`` on a real AdamW step
 (:func:`cold_read_us_per_mib`).
 """
@@ -14,8 +14,8 @@ from torch import nn
 
 
 def apart_figures(models: dict, x: torch.Tensor, rounds: int = 40) -> dict[str, float]:
-    """``call_gap_us`` (:func:`_call_gap_round`) and ``state_item_us``
-    (:func:`_state_burst_us`), measured apart from the main rounds but in
+    """``call_gap_us`` (:func:`_call_gap_round`), ``state_item_us``
+    (:func:`_state_burst_us`) and ``host_rng_us`` (:func:`_host_rng_burst_us`), measured apart from the main rounds but in
     rounds of their own, one sample of each per round: on this VM the same
     work ran at two speeds, 1.6-2x apart, switching every few seconds (a
     Python loop 2.5-5.5 ms, a small model's step 4.3-11 ms over three
@@ -26,12 +26,13 @@ def apart_figures(models: dict, x: torch.Tensor, rounds: int = 40) -> dict[str, 
     tiny, deep = models["tiny"], models["deep"]
     gap = _call_gap_round(tiny, x)
     region = deep["variants"]["twice"][0].region
-    gap(), _state_burst_us(region, x)  # warm-up
-    taken = [(gap(), _state_burst_us(region, x)) for _ in range(rounds)]
+    gap(), _state_burst_us(region, x), _host_rng_burst_us()  # warm-up
+    taken = [(gap(), _state_burst_us(region, x), _host_rng_burst_us()) for _ in range(rounds)]
     roots = tiny["gap_roots"]
-    extra = statistics.median(g for g, _ in taken)
+    extra = statistics.median(g for g, _, _ in taken)
     return {"call_gap_us": round(max(0.0, extra / roots), 3) if roots > 0 else 0.0,
-            "state_item_us": round(statistics.median(s for _, s in taken), 4)}
+            "state_item_us": round(statistics.median(s for _, s, _ in taken), 4),
+            "host_rng_us": round(statistics.median(r for _, _, r in taken), 3)}
 
 
 def _call_gap_round(setup: dict, x: torch.Tensor):
@@ -82,6 +83,22 @@ def _state_burst_us(region, x: torch.Tensor, repeats: int = 25) -> float:
         state.install()
         after.install()
     return (time.thread_time() - t) / repeats * 1e6 / max(1, state.items())
+
+
+def _host_rng_burst_us(repeats: int = 5) -> float:
+    """``host_rng_us`` in one burst: Python's and NumPy's generator states as
+    a checkpointed call of a module that draws from them handles them --
+    captured at its forward, captured again and swapped in for the replay,
+    put back after -- ``repeats`` times back to back, per call in us."""
+    from autosac.core.rng import HostRng
+
+    t = time.thread_time()
+    for _ in range(repeats):
+        state = HostRng.now()
+        after = HostRng.now()
+        state.install()
+        after.install()
+    return (time.thread_time() - t) / repeats * 1e6
 
 
 def cold_read_us_per_mib(small: float, large: float, tensors: int = 16, numel: int = 128 << 10,

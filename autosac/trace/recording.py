@@ -65,6 +65,8 @@ class Recording:
     io_bytes: dict[str, list[int]] = field(default_factory=dict)  # fqn -> [inputs, outputs]
     input_storages: dict[str, list[list[int]]] = field(default_factory=dict)  # fqn -> per call, storage records
     state_items: dict[str, int] = field(default_factory=dict)  # fqn -> what its first call's state capture holds
+    # fqns whose forward drew from Python's or NumPy's generator; None: not watched (compiled code runs no hooks)
+    host_rng: set[str] | None = None
     origins: dict[int, int] = field(default_factory=dict)  # backward event -> forward event that made its node
     output_storages: dict[str, set[int]] = field(default_factory=dict)  # fqn -> storage records it returned
     param_dtypes: dict[str, set[str]] = field(default_factory=dict)

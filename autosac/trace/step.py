@@ -31,6 +31,7 @@ from autosac.core.integrations import caches_off
 from autosac.core.loop import DEFAULT_LOOP, Loop
 from autosac.core.optim import OptimizerSpec, default_loss, make_optimizer
 from autosac.core.pystate import capture
+from autosac.core.rng import HostRng
 from autosac.core.stats import ParamStats
 from autosac.trace.autocast import target_autocast
 from autosac.trace.costs import CostModel
@@ -230,10 +231,11 @@ def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autoc
     hooks = []
     runner = model if compiled is None else compiled
     if compiled is None:  # compiled code runs no module hooks
+        recorder.rec.host_rng = set()
         for mod in model.modules():
-            fqn = names[id(mod)]
-            hooks.append(_mark_entry(mod, _pre_hook(recorder, fqn)))
-            hooks.append(mod.register_forward_hook(_post_hook(recorder, fqn)))
+            fqn, rng_at = names[id(mod)], []
+            hooks.append(_mark_entry(mod, _pre_hook(recorder, fqn, rng_at)))
+            hooks.append(mod.register_forward_hook(_post_hook(recorder, fqn, rng_at)))
     try:
         # transformers models run without a cache, as the applied model will run them
         with caches_off(model), _as_on_target(cost_model.spec, autocast):  # forward and loss under autocast
@@ -343,9 +345,10 @@ class _ForwardMark:
                 self.mod.forward = self.own
 
 
-def _pre_hook(recorder: StepRecorder, fqn: str):
+def _pre_hook(recorder: StepRecorder, fqn: str, rng_at: list):
     def hook(module, args, kwargs):
         if recorder.phase == "forward":
+            rng_at.append(HostRng.now())  # compared at its end: did it draw from Python's or NumPy's generator?
             recorder.push(fqn)
             recorder.rec.io_bytes.setdefault(fqn, [0, 0])[0] += _unique_bytes((args, kwargs))
             found = (recorder.index_of(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
@@ -356,9 +359,11 @@ def _pre_hook(recorder: StepRecorder, fqn: str):
     return hook
 
 
-def _post_hook(recorder: StepRecorder, fqn: str):
+def _post_hook(recorder: StepRecorder, fqn: str, rng_at: list):
     def hook(module, args, output):
         if recorder.phase == "forward":
+            if rng_at and rng_at.pop() != HostRng.now():
+                recorder.rec.host_rng.add(fqn)
             recorder.pop(fqn)
             recorder.rec.io_bytes[fqn][1] += _unique_bytes(output)
             found = (recorder.index_of(t) for t in tree_leaves(output) if isinstance(t, torch.Tensor))

@@ -1,0 +1,109 @@
+"""Forwards that draw from Python's or NumPy's global generator (a SpecAugment
+mask from ``np.random``, a layer dropped on ``random.random()``): the trace
+notes them and a checkpoint's replay draws what the forward drew.
+
+``torch.utils.checkpoint`` restores only torch's generators: without this, a
+replay of such a module computed other gradients, silently (a NumPy mask), or
+raised (a branch on ``random.random()``)."""
+
+import copy
+import random
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from suite import A100_CPU_KERNELS
+from torch import nn
+
+import autosac
+from autosac.core.host import HostCosts
+from autosac.solver import plan_from_decisions
+
+
+class _Masked(nn.Module):
+    """A block whose forward draws a mask from NumPy and a branch from ``random``."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.fill = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        h = self.down(torch.relu(self.up(x)))
+        mask = torch.tensor(np.random.rand(*x.shape[:-1]) < 0.3)  # host data: the replay cannot recompute it
+        h = torch.where(mask[..., None], self.fill.expand_as(h), h)
+        if random.random() < 0.5:
+            h = h * 2
+        return x + torch.tanh(h)
+
+
+class _Plain(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x))
+
+
+class _Net(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.masked = nn.ModuleList(_Masked(d) for _ in range(2))
+        self.plain = _Plain(d)
+
+    def forward(self, x):
+        x = self.plain(x)
+        for b in self.masked:
+            x = b(x)
+        return x.square().mean()
+
+
+def _seeded_step(model, x, seed=3):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model(x).backward()
+    return random.random(), float(np.random.rand())  # what the user's next draws are
+
+
+def test_the_trace_notes_the_modules_that_draw_from_host_generators():
+    torch.manual_seed(0)
+    model, x = _Net(), torch.randn(4, 8, 16)
+    before = random.getstate(), np.random.get_state()[2]
+    stats = autosac.profile(model, x, target=A100_CPU_KERNELS)
+    assert (random.getstate(), np.random.get_state()[2]) == before  # planning draws nothing the user sees
+    drew = {f for f, m in stats.modules.items() if m.host_rng}
+    assert drew == {"", "masked.0", "masked.1"}  # a parent re-runs what its children draw (a ModuleList never runs)
+    # a round trip keeps it; stats from before the field read as unknown: drawing
+    assert autosac.ModelStats.from_json(stats.to_json()).modules["plain"].host_rng is False
+
+
+@pytest.mark.parametrize("ratios", [{"masked.0": 1.0, "masked.1": 1.0}, {"masked.0": 0.5, "masked.1": 0.5}],
+                         ids=["plain", "selective"])
+def test_a_replay_draws_what_its_forward_drew_and_leaves_the_users_next_draws(ratios):
+    torch.manual_seed(0)
+    model, x = _Net(), torch.randn(4, 8, 16)
+    ref = copy.deepcopy(model)
+    plan = plan_from_decisions(autosac.profile(model, x, target=A100_CPU_KERNELS), ratios)
+    assert all(plan.details[f].host_rng for f in ratios)
+    autosac.apply(model, plan)
+    for seed in (3, 4):  # one seed's mask takes the random.random() branch where the other does not
+        ref.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        expected, got = _seeded_step(ref, x, seed), _seeded_step(model, x, seed)
+        assert got == expected
+        for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), name
+
+
+def test_a_module_that_draws_is_priced_its_generators_states():
+    torch.manual_seed(0)
+    model, x = _Net(), torch.randn(4, 8, 16)
+    mechanism = {}
+    for rng_us in (0.0, 1000.0):
+        costs = HostCosts(op_us=10.0, checkpoint_call_us=100.0, host_rng_us=rng_us)
+        stats = autosac.profile(model, x, target=replace(A100_CPU_KERNELS, host=costs))
+        mechanism[rng_us] = plan_from_decisions(stats, {"masked.0": 1.0}).details["masked.0"].mechanism_ms
+    assert mechanism[1000.0] - mechanism[0.0] == pytest.approx(1.0)  # one call, its generators swapped once
