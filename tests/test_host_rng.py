@@ -107,3 +107,35 @@ def test_a_module_that_draws_is_priced_its_generators_states():
         stats = autosac.profile(model, x, target=replace(A100_CPU_KERNELS, host=costs))
         mechanism[rng_us] = plan_from_decisions(stats, {"masked.0": 1.0}).details["masked.0"].mechanism_ms
     assert mechanism[1000.0] - mechanism[0.0] == pytest.approx(1.0)  # one call, its generators swapped once
+
+
+class _OwnGenerator(nn.Module):
+    """A block that drops units with a ``torch.Generator`` of its own."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.gen = torch.Generator().manual_seed(7)
+
+    def forward(self, x):
+        h = torch.relu(self.up(x))
+        return x + self.down(h * (torch.rand(h.shape, generator=self.gen) > 0.2))
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.5], ids=["plain", "selective"])
+def test_a_replay_draws_from_a_modules_own_generator_what_its_forward_drew(ratio):
+    # torch's checkpoint restores only the default generators: a plain replay drew the next values
+    # (other gradients) and either replay moved the user's generator on twice
+    torch.manual_seed(0)
+    model, x = nn.Sequential(_OwnGenerator(16), _OwnGenerator(16)), torch.randn(4, 8, 16)
+    ref = copy.deepcopy(model)
+    stats = autosac.profile(model, x, target=A100_CPU_KERNELS)
+    assert {f for f, m in stats.modules.items() if m.host_rng} == {"", "0", "1"}
+    autosac.apply(model, plan_from_decisions(stats, {"0": ratio, "1": ratio}))
+    for _ in range(2):
+        for m in (ref, model):
+            m.zero_grad(set_to_none=True)
+            m(x).square().mean().backward()
+        for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), name
+        assert all(torch.equal(a.gen.get_state(), b.gen.get_state()) for a, b in zip(ref, model, strict=True))

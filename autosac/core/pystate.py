@@ -90,7 +90,8 @@ class State:
         """The same containers' contents as they are now."""
         saved = [(obj, _contents(obj)) for obj, _ in self._saved]
         saved.extend((obj, _contents(obj)) for obj in self._empty if obj)
-        return State(saved, [obj for obj in self._empty if not obj], None if self._rng is None else HostRng.now())
+        rng = None if self._rng is None else HostRng.now(self._rng.generators())
+        return State(saved, [obj for obj in self._empty if not obj], rng)
 
 
 def capture(module: nn.Module, args: tuple, kwargs: dict, host_rng: bool = False) -> State:
@@ -98,8 +99,9 @@ def capture(module: nn.Module, args: tuple, kwargs: dict, host_rng: bool = False
 
     Every module of the subtree is captured; other objects (reached from the
     arguments and from the modules' attributes) up to ``_MAX_OBJECTS``.
-    ``host_rng``: capture Python's and NumPy's global generators too (a
-    forward that draws from them).
+    ``host_rng``: capture Python's and NumPy's global generators too, and
+    the ``torch.Generator`` objects found on the way (a forward that draws
+    from them).
 
     Example::
 
@@ -121,10 +123,13 @@ def capture(module: nn.Module, args: tuple, kwargs: dict, host_rng: bool = False
     todo.extend((*args, *kwargs.values()))
     todo.reverse()  # walk in order: the first objects found are the first captured
     others = 0
+    generators: dict[int, torch.Generator] = {}
     while todo and others < _MAX_OBJECTS:
         obj = todo.pop()
         kind = _KINDS.get(type(obj)) or _kind_of(type(obj))
         if kind is _SKIP:
+            if host_rng and type(obj) is torch.Generator:
+                generators[id(obj)] = obj
             continue
         if kind is _PLAIN and not obj:  # (hook tables) the same container twice is harmless
             empty.append(obj)
@@ -144,7 +149,7 @@ def capture(module: nn.Module, args: tuple, kwargs: dict, host_rng: bool = False
         else:
             items = []
         todo.extend(reversed(items))
-    return State(saved, empty, HostRng.now() if host_rng else None)
+    return State(saved, empty, HostRng.now(generators.values()) if host_rng else None)
 
 
 # What capture does with an object, decided once per type (a dict lookup per

@@ -8,7 +8,8 @@ run after planning must draw exactly what it would have drawn without it
 (:func:`generators_kept`).
 
 A forward may also draw from Python's or NumPy's global generator (a
-SpecAugment mask from ``np.random``, a layer dropped on ``random.random()``).
+SpecAugment mask from ``np.random``, a layer dropped on ``random.random()``),
+or from a ``torch.Generator`` of its own.
 ``torch.utils.checkpoint`` restores only torch's generators for its replay, so
 a replay of such a module would draw other values and compute other
 gradients, silently.  :class:`HostRng` is what the trace compares around each
@@ -26,7 +27,9 @@ import torch
 
 
 class HostRng:
-    """The states of Python's ``random`` and NumPy's global generator at one moment.
+    """The states of Python's ``random``, NumPy's global generator and some
+    ``torch.Generator`` objects (a module's own) at one moment.  Equality
+    compares the global generators only (what the trace can see move).
 
     Example::
 
@@ -35,18 +38,25 @@ class HostRng:
         >>> before.install()      # the next np.random draw repeats the one above
     """
 
-    __slots__ = ("py", "np")
+    __slots__ = ("py", "np", "torch")
 
-    def __init__(self, py, npstate) -> None:
+    def __init__(self, py, npstate, generators=()) -> None:
         self.py, self.np = py, npstate
+        self.torch = [(g, g.get_state()) for g in generators]
 
     @classmethod
-    def now(cls) -> HostRng:
-        return cls(random.getstate(), np.random.get_state())
+    def now(cls, generators=()) -> HostRng:
+        """The states now, with those of ``generators`` (``torch.Generator`` objects)."""
+        return cls(random.getstate(), np.random.get_state(), generators)
+
+    def generators(self) -> list[torch.Generator]:
+        return [g for g, _ in self.torch]
 
     def install(self) -> None:
         random.setstate(self.py)
         np.random.set_state(self.np)
+        for g, state in self.torch:
+            g.set_state(state)
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, HostRng):
