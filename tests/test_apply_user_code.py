@@ -323,3 +323,34 @@ def test_a_full_backward_hook_on_a_checkpointed_module_keeps_its_selective_plan(
     assert fired == [1]
     peak = autosac.measure(model, x, steps=0).peak_bytes  # the plan without the hook: the same 16 B over-predicted
     assert peak <= plan.predicted_peak_bytes <= peak + 16
+
+
+def test_a_users_hook_inside_a_checkpointed_module_is_named_once_as_running_again_in_the_backward():
+    # the replay re-runs the inner module's forward and its hooks (as torch.utils.checkpoint does):
+    # a recording hook sees its call twice, which the user is told once, naming it; the
+    # checkpointed module's own hook runs once and is not named
+    model, x = _net()
+    plan = _plan(model, x)
+    seen = []
+
+    def record_up(mod, args, out):
+        seen.append("up")
+
+    model.blocks[0].up.register_forward_hook(record_up)
+    model.blocks[0].register_forward_hook(lambda mod, args, out: seen.append("block"))
+    autosac.apply(model, plan)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(x).sum().backward()
+        model(x).sum().backward()
+    said = [str(w.message) for w in caught if "run again" in str(w.message)]
+    assert len(said) == 1 and "'blocks.0.up' (test_a_users_hook" in said[0] and "record_up" in said[0]
+    assert "'blocks.0' (" not in said[0]
+    assert seen == ["up", "block", "up"] * 2  # as said: the inner hook again in each backward
+    with warnings.catch_warnings(record=True) as caught:  # applied again: said again
+        warnings.simplefilter("always")
+        autosac.apply(model, plan)
+        with torch.no_grad():
+            model(x)  # not a training forward: nothing checked
+        model(x).sum().backward()
+    assert len([w for w in caught if "run again" in str(w.message)]) == 1

@@ -29,6 +29,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from autosac.applier.casts import pack_cast, unpack_cast
+from autosac.applier.inner_hooks import warn_inner_hooks
 from autosac.applier.partitioner import require as require_partitioner
 from autosac.applier.partitioner import unwrap_root, wrap_root
 from autosac.applier.region import RegionPolicy
@@ -325,6 +326,7 @@ def _enter_model(module, args, kwargs):
     if state is not None and torch.is_grad_enabled():
         _check_device(state, module)
         _check_units(state, module)
+        warn_inner_hooks(state, module)
     # the cast hook sees every tensor the model saves: only where the traced step saved casts
     casts = state is None or state["plan"].param_casts
     ctx = torch.autograd.graph.saved_tensors_hooks(pack_cast, unpack_cast) if casts else None

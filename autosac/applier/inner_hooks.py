@@ -1,0 +1,73 @@
+"""Forward hooks inside checkpointed modules: said once, at the first
+training forward of an applied model.
+
+A checkpoint's replay re-runs the forward of every module inside the
+checkpointed one, and with it their forward hooks and pre-hooks (as
+``torch.utils.checkpoint`` does: a hook may change what the module returns,
+so the replay cannot skip it).  A hook that only records -- activations
+appended to a list, a call counter, a statistics logger -- then sees each of
+those calls twice, the second time in the backward.  A hook on the
+checkpointed module itself runs once (the checkpoint is inside it).
+
+PyTorch's own hooks and transformers' output-capturing hooks (inactive
+outside the forward that asked for outputs) are not reported.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+
+from autosac.core.marks import POLICY
+from autosac.core.userwarn import warn_user
+
+_QUIET_PACKAGES = ("torch", "transformers", "autosac")
+
+
+def warn_inner_hooks(state: dict, model: nn.Module) -> None:
+    """One warning, at the first training forward after ``apply`` (``state``:
+    the applied model's), naming forward hooks and pre-hooks of yours on
+    modules inside checkpointed modules: they run again in the backward.
+
+    Example::
+
+        >>> model.blocks[0].attn.register_forward_hook(record)   # blocks.0 checkpointed
+        >>> model(x)   # UserWarning: ... 'blocks.0.attn' (record) run again ...
+    """
+    if state.get("hooks_checked"):
+        return
+    state["hooks_checked"] = True
+    found = []
+    for fqn, region in model.named_modules():
+        if POLICY not in region.__dict__:
+            continue
+        for name, inner in region.named_modules():
+            hooks = [*inner._forward_pre_hooks.values(), *inner._forward_hooks.values()] if name else ()
+            found.extend((f"{fqn}.{name}" if fqn else name, _name(h)) for h in hooks if _users(h))
+    if found:
+        shown = ", ".join(f"'{where}' ({what})" for where, what in found[:3])
+        more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+        warn_user(
+            f"autosac: forward hooks on modules inside checkpointed ones -- {shown}{more} -- run again when the "
+            "backward recomputes those modules (as under torch.utils.checkpoint): a hook that records or counts "
+            "sees each call twice. Register it on the checkpointed module itself, where it runs once, or on a "
+            "module no checkpointed one holds"
+        )
+
+
+def _target(hook):
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    return hook
+
+
+def _users(hook) -> bool:
+    """Whether ``hook`` is the user's (not PyTorch's, transformers' or autosac's own)."""
+    module = getattr(_target(hook), "__module__", None) or type(hook).__module__ or ""
+    return module.split(".")[0] not in _QUIET_PACKAGES
+
+
+def _name(hook) -> str:
+    target = _target(hook)
+    return getattr(target, "__qualname__", None) or type(target).__name__
