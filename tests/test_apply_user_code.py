@@ -354,3 +354,43 @@ def test_a_users_hook_inside_a_checkpointed_module_is_named_once_as_running_agai
             model(x)  # not a training forward: nothing checked
         model(x).sum().backward()
     assert len([w for w in caught if "run again" in str(w.message)]) == 1
+
+
+class _ReluFirst(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+    def forward(self, x):  # no op saves x itself (relu saves its output): unplanned, x += block(x) trains
+        return self.mlp(torch.relu(x))
+
+
+class _InPlaceResidual(nn.Module):
+    """``x += block(x)``: the step writes each block's input in place after the call."""
+
+    def __init__(self, d=32, n=3):
+        super().__init__()
+        self.blocks = nn.ModuleList(_ReluFirst(d) for _ in range(n))
+
+    def forward(self, x):
+        x = x * 1.0  # not the caller's tensor
+        for b in self.blocks:
+            x += b(x)
+        return x
+
+
+def test_a_module_whose_input_the_step_writes_after_the_call_is_no_candidate():
+    # its checkpoint would re-run on the changed input: autograd refused the backward of such a plan
+    # ("modified by an inplace operation"), where the model without a plan trains
+    torch.manual_seed(0)
+    model, x = _InPlaceResidual(), torch.randn(4, 16, 32)
+    stats = autosac.profile(model, x, target=A100_CPU_KERNELS)
+    assert {f for f, m in stats.modules.items() if m.inputs_written_later} == {"blocks.0", "blocks.1", "blocks.2"}
+    with pytest.raises(ValueError, match="writes its input in place after the call"):
+        plan_from_decisions(stats, {"blocks.1": 1.0})
+    plan = autosac.solve(stats, "least")
+    assert plan.decisions and set(plan.decisions) <= {"blocks.0.mlp", "blocks.1.mlp", "blocks.2.mlp"}  # inputs unwritten
+    ref = copy.deepcopy(model)
+    autosac.apply(model, plan)
+    assert _recomputes(model, x)
+    _assert_bitwise(ref, model, x)

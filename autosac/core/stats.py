@@ -130,6 +130,9 @@ class ModuleStats:
     # on random.random()): a checkpoint of it swaps their states in for the replay (autosac.core.rng);
     # True where unknown
     host_rng: bool = True
+    # a forward op after one of its calls writes that call's input in place (``x += block(x)``): its
+    # checkpoint would re-run on the changed input (autograd refuses the backward), so it is no candidate
+    inputs_written_later: bool = False
 
     @property
     def is_leaf(self) -> bool:

@@ -220,7 +220,9 @@ def build_problem(stats: ModelStats, max_choices: int = 16, keep_random: bool = 
     Candidates are modules whose subtree saves discardable activations; each
     offers at most ``max_choices`` discard choices.  Sharded over FSDP2
     (``world_size > 1``), no module that holds a shard unit inside it is one
-    (:func:`autosac.solver.sharding.unit_holders`).  A module called several
+    (:func:`autosac.solver.sharding.unit_holders`), nor is a module whose input
+    the step writes in place after the call (``ModuleStats.inputs_written_later``).
+    A module called several
     times per step (a shared block) gives one candidate per call, linked to
     take the same choice: every call is a checkpoint region with the same policy.
     """
@@ -230,7 +232,8 @@ def build_problem(stats: ModelStats, max_choices: int = 16, keep_random: bool = 
     linked: list[list[Candidate]] = []
     holders = unit_holders(stats) if stats.world_size > 1 else set()  # sharded: no region holds a unit
     for fqn in stats.subtree(stats.root):
-        group = [] if fqn in holders else module_candidates(reading, fqn)
+        skip = fqn in holders or stats.modules[fqn].inputs_written_later
+        group = [] if skip else module_candidates(reading, fqn)
         candidates += group
         if len(group) > 1:
             linked.append(group)

@@ -190,7 +190,10 @@ def plan_from_decisions(
     for fqn, ratio in decisions.items():
         if fqn not in index:
             why = ("it holds an FSDP2 unit inside it, whose parameters its re-run would gather again"
-                   if stats.world_size > 1 and fqn in unit_holders(stats) else "no discardable activations")
+                   if stats.world_size > 1 and fqn in unit_holders(stats) else
+                   "the step writes its input in place after the call, so its re-run would not see the input it ran on"
+                   if fqn in stats.modules and stats.modules[fqn].inputs_written_later else
+                   "no discardable activations")
             raise ValueError(f"module {fqn!r} is not a checkpointing candidate ({why})")
         if not 0 < ratio <= 1:
             raise ValueError(f"discard ratio {ratio!r} of {fqn!r} is not in (0, 1]")

@@ -283,6 +283,8 @@ def _module_stats(step: TracedStep, live: np.ndarray, times: _Times, saved: _Sav
             routed=any(_has_event_in(rec.routed, w) for w in windows),
             state_items=rec.state_items.get(fqn, 0),
             host_rng=rec.host_rng is None or fqn in rec.host_rng,
+            inputs_written_later=any(_written_from(rec, set(found), w[1])
+                                     for found, w in zip(rec.input_storages.get(fqn, []), windows)),
         )
     return modules
 
@@ -366,6 +368,13 @@ def _outside_writes(rec, window) -> tuple[int, bool]:
     start, end = window
     storages = {sid: b for e, items in rec.written.items() if start <= e < end for p, sid, b in items if p < start}
     return sum(storages.values()), bool(storages)
+
+
+def _written_from(rec, storages: set[int], event: int) -> bool:
+    """Whether a forward op from ``event`` on writes in place any of ``storages``
+    (storage records: a call's inputs, written after the call returned)."""
+    return bool(storages) and any(
+        e >= event and sid in storages for e, items in rec.written.items() for _, sid, _ in items)
 
 
 def stack_subtree(fqn: str, children: dict[str, list[str]]) -> list[str]:
