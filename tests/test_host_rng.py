@@ -139,3 +139,26 @@ def test_a_replay_draws_from_a_modules_own_generator_what_its_forward_drew(ratio
         for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
             assert torch.equal(p.grad, q.grad), name
         assert all(torch.equal(a.gen.get_state(), b.gen.get_state()) for a, b in zip(ref, model, strict=True))
+
+
+def test_transformers_wav2vec2_checkpointed_whole_replays_its_numpy_mask():
+    # transformers' wav2vec2 family draws its SpecAugment mask with np.random in training
+    # (mask_time_prob > 0): checkpointed whole, 62 of its gradients differed before the replay drew it again
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16),
+        conv_stride=(5, 2), conv_kernel=(10, 3), vocab_size=16, layerdrop=0.0, mask_time_prob=0.3,
+        mask_time_length=2, num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2)
+    torch.manual_seed(0)
+    model = transformers.Wav2Vec2ForCTC(cfg).train()
+    inputs = {"input_values": torch.randn(2, 2000), "labels": torch.randint(1, 16, (2, 12))}
+    ref = copy.deepcopy(model)
+    stats = autosac.profile(model, inputs, target=A100_CPU_KERNELS)
+    assert stats.modules["wav2vec2"].host_rng and not stats.modules["wav2vec2.encoder"].host_rng
+    autosac.apply(model, plan_from_decisions(stats, {"wav2vec2": 1.0}))
+    for m in (ref, model):
+        np.random.seed(1)
+        torch.manual_seed(1)
+        m(**inputs).loss.backward()
+    for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
