@@ -76,8 +76,7 @@ def test_the_trace_notes_the_modules_that_draw_from_host_generators():
     assert (random.getstate(), np.random.get_state()[2]) == before  # planning draws nothing the user sees
     drew = {f for f, m in stats.modules.items() if m.host_rng}
     assert drew == {"", "masked.0", "masked.1"}  # a parent re-runs what its children draw (a ModuleList never runs)
-    # a round trip keeps it; stats from before the field read as unknown: drawing
-    assert autosac.ModelStats.from_json(stats.to_json()).modules["plain"].host_rng is False
+    assert autosac.ModelStats.from_json(stats.to_json()).modules["plain"].host_rng is False  # kept in a round trip
 
 
 @pytest.mark.parametrize("ratios", [{"masked.0": 1.0, "masked.1": 1.0}, {"masked.0": 0.5, "masked.1": 0.5}],
@@ -98,6 +97,39 @@ def test_a_replay_draws_what_its_forward_drew_and_leaves_the_users_next_draws(ra
             assert torch.equal(p.grad, q.grad), name
 
 
+def test_a_plan_that_does_not_say_which_modules_draw_captures_them_all_and_says_so():
+    # plans of format 6 and older: every checkpointed call captures the host generators (safe, unpriced)
+    torch.manual_seed(0)
+    model, x = _Net(), torch.randn(4, 8, 16)
+    ref = copy.deepcopy(model)
+    plan = plan_from_decisions(autosac.profile(model, x, target=A100_CPU_KERNELS), {"masked.0": 1.0, "masked.1": 0.5})
+    for d in plan.details.values():
+        d.host_rng = None
+    with pytest.warns(UserWarning, match="does not say which of its 2 checkpointed modules draw"):
+        autosac.apply(model, plan)
+    assert _seeded_step(model, x) == _seeded_step(ref, x)
+    for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_numpy_with_another_bit_generator_is_traced_and_replayed():
+    # np.random.set_bit_generator(PCG64): NumPy's state is then a dict, not MT19937's tuple
+    saved = np.random.get_bit_generator()
+    np.random.set_bit_generator(np.random.PCG64(0))
+    try:
+        torch.manual_seed(0)
+        model, x = _Net(), torch.randn(4, 8, 16)
+        ref = copy.deepcopy(model)
+        stats = autosac.profile(model, x, target=A100_CPU_KERNELS)
+        assert stats.modules["masked.0"].host_rng and not stats.modules["plain"].host_rng
+        autosac.apply(model, plan_from_decisions(stats, {"masked.0": 1.0}))
+        assert _seeded_step(model, x) == _seeded_step(ref, x)
+        for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), name
+    finally:
+        np.random.set_bit_generator(saved)
+
+
 def test_a_module_that_draws_is_priced_its_generators_states():
     torch.manual_seed(0)
     model, x = _Net(), torch.randn(4, 8, 16)
@@ -109,25 +141,33 @@ def test_a_module_that_draws_is_priced_its_generators_states():
     assert mechanism[1000.0] - mechanism[0.0] == pytest.approx(1.0)  # one call, its generators swapped once
 
 
-class _OwnGenerator(nn.Module):
-    """A block that drops units with a ``torch.Generator`` of its own."""
+_DRAWS = {
+    "rand": lambda h, gen: torch.rand(h.shape, generator=gen) > 0.2,  # the generator as a keyword
+    "poisson": lambda h, gen: torch.poisson(torch.full_like(h, 2.0), gen),  # ... as a positional argument
+}
 
-    def __init__(self, d):
+
+class _OwnGenerator(nn.Module):
+    """A block that scales units by draws from a ``torch.Generator`` of its own."""
+
+    def __init__(self, d, draw):
         super().__init__()
         self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
         self.gen = torch.Generator().manual_seed(7)
+        self.draw = draw
 
     def forward(self, x):
         h = torch.relu(self.up(x))
-        return x + self.down(h * (torch.rand(h.shape, generator=self.gen) > 0.2))
+        return x + self.down(h * _DRAWS[self.draw](h, self.gen))
 
 
+@pytest.mark.parametrize("draw", list(_DRAWS))
 @pytest.mark.parametrize("ratio", [1.0, 0.5], ids=["plain", "selective"])
-def test_a_replay_draws_from_a_modules_own_generator_what_its_forward_drew(ratio):
+def test_a_replay_draws_from_a_modules_own_generator_what_its_forward_drew(ratio, draw):
     # torch's checkpoint restores only the default generators: a plain replay drew the next values
     # (other gradients) and either replay moved the user's generator on twice
     torch.manual_seed(0)
-    model, x = nn.Sequential(_OwnGenerator(16), _OwnGenerator(16)), torch.randn(4, 8, 16)
+    model, x = nn.Sequential(_OwnGenerator(16, draw), _OwnGenerator(16, draw)), torch.randn(4, 8, 16)
     ref = copy.deepcopy(model)
     stats = autosac.profile(model, x, target=A100_CPU_KERNELS)
     assert {f for f, m in stats.modules.items() if m.host_rng} == {"", "0", "1"}

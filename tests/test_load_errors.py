@@ -104,16 +104,22 @@ def test_malformed_plan_fails_at_load_naming_the_field(plan, tmp_path, edit, mat
 
 
 def test_plans_of_the_last_format_load_and_other_formats_are_refused(plan):
-    """Format 6 added the partitioner's budget: an autosac reading only 5
-    refuses a plan written now (it would have ignored the budget and applied
-    nothing), and a format-5 plan, which means the same today, still loads."""
+    """Format 7 added each decision's ``host_rng``: an autosac reading only 6
+    refuses a plan written now (one line, not a field it does not know), and
+    format-5 and -6 plans, which mean the same today, still load with it
+    unknown -- every checkpointed call then captures the host generators,
+    which ``apply`` says once."""
     data = json.loads(plan.to_json())
-    assert data["format"] == 6
-    old = Plan.from_json(json.dumps({**data, "format": 5}))
-    assert old.decisions == plan.decisions and old.format == 6  # written again as this version's plan
-    for found in (4, 7, True, "6", None, 5.0):
+    assert data["format"] == 7 and plan.decisions
+    for older in (5, 6):
+        old_data = {**data, "format": older,
+                    "details": {f: {k: v for k, v in d.items() if k != "host_rng"} for f, d in data["details"].items()}}
+        old = Plan.from_json(json.dumps(old_data))
+        assert old.decisions == plan.decisions and old.format == 7  # written again as this version's plan
+        assert all(d.host_rng is None for d in old.details.values())
+    for found in (4, 8, True, "7", None, 5.0):
         _assert_one_line_error(lambda f=found: Plan.from_json(json.dumps({**data, "format": f})),
-                               f"plan format {found!r} is not 6: re-plan with this autosac version")
+                               f"plan format {found!r} is not 7: re-plan with this autosac version")
     # JSON that is no plan at all (another tool's file) is said to be none, not an old format
     for other in ({"model": "x", "layers": 3}, [1, 2], {}):
         _assert_one_line_error(lambda o=other: Plan.from_json(json.dumps(o)), "not an autosac plan")

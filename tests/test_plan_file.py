@@ -38,7 +38,7 @@ def test_plan_json_round_trip(plan, tmp_path):
 @pytest.mark.parametrize(
     "edit,match",
     [
-        (lambda d: d.update(format=7), "plan format 7"),
+        (lambda d: d.update(format=8), "plan format 8"),
         (lambda d: d.pop("decisions"), "malformed plan"),
         (lambda d: d["decisions"].update({k: 1.5 for k in d["decisions"]}), r"not in \(0, 1\]"),
         (lambda d: d["decisions"].update({"extra": 0.5}), "different modules"),

@@ -5,9 +5,11 @@ A checkpoint's replay re-runs the forward of every module inside the
 checkpointed one, and with it their forward hooks and pre-hooks (as
 ``torch.utils.checkpoint`` does: a hook may change what the module returns,
 so the replay cannot skip it).  A hook that only records -- activations
-appended to a list, a call counter, a statistics logger -- then sees each of
-those calls twice, the second time in the backward.  A hook on the
-checkpointed module itself runs once (the checkpoint is inside it).
+appended to a list, a counter or statistics logger of its own -- then sees
+each of those calls twice, the second time in the backward (what it changes
+on the modules themselves is undone: the replay swaps their Python state,
+:mod:`autosac.core.pystate`).  A hook on the checkpointed module itself runs
+once (the checkpoint is inside it).
 
 PyTorch's own hooks and transformers' output-capturing hooks (inactive
 outside the forward that asked for outputs) are not reported.
@@ -50,9 +52,10 @@ def warn_inner_hooks(state: dict, model: nn.Module) -> None:
         more = f" and {len(found) - 3} more" if len(found) > 3 else ""
         warn_user(
             f"autosac: forward hooks on modules inside checkpointed ones -- {shown}{more} -- run again when the "
-            "backward recomputes those modules (as under torch.utils.checkpoint): a hook that records or counts "
-            "sees each call twice. Register it on the checkpointed module itself, where it runs once, or on a "
-            "module no checkpointed one holds"
+            "backward recomputes those modules (as under torch.utils.checkpoint): a hook that records into a list "
+            "or counter of its own sees each call twice (changes to the modules' attributes are undone). A hook "
+            "that only records can go on the checkpointed module itself, where it runs once, or on a module no "
+            "checkpointed one holds"
         )
 
 

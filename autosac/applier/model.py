@@ -106,6 +106,14 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
         policies = {fqn: RegionPolicy.from_decision(plan.details[fqn]) for fqn in modules}
     except (TypeError, ValueError, IndexError) as e:
         raise StatsFormatError(f"malformed plan: {e}") from None
+    unknown = [fqn for fqn in modules if plan.details[fqn].host_rng is None]
+    if unknown and not plan.compiled:
+        warn_user(
+            f"autosac: this plan does not say which of its {len(modules)} checkpointed modules draw from Python's "
+            "or NumPy's generators (a plan of format 6 or older, or from a compiled trace): every checkpointed "
+            "call captures their states for its replay, unpriced -- re-plan with this autosac version to pay "
+            "that only where a module draws"
+        )
     unapply(model)
     for fqn, mod in modules.items():
         _wrap_forward(mod, policies[fqn])

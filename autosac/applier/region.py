@@ -68,7 +68,8 @@ class RegionPolicy:
     # recompute everything, and the trace saw no write to a tensor made outside:
     # plain checkpointing does it, with no per-op work (see RegionCall.contexts)
     plain: bool = False
-    # its forward draws from Python's or NumPy's global generator: their states are captured per call
+    # its forward draws from Python's or NumPy's global generator or a torch.Generator (or may: unknown):
+    # their states are captured per call
     host_rng: bool = True
     warned: set[str] = field(default_factory=set, repr=False)
     # torch.utils.checkpoint's context_fn under torch.compile (autosac.applier.compiled):
@@ -89,7 +90,7 @@ class RegionPolicy:
         if any(not 0 <= i < n for i in save | skip):
             raise ValueError(f"call index out of range in the decision for {d.fqn!r}")
         return cls(d.fqn, calls, save, skip, plain=not save and not bool(d.writes_outside),
-                   host_rng=bool(d.host_rng))
+                   host_rng=d.host_rng is not False)
 
     def start(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> RegionCall:
         """A new forward call of the module with these arguments."""

@@ -12,8 +12,8 @@ from autosac.core.errors import StatsFormatError
 from autosac.core.loop import Loop
 from autosac.core.schema import build, check, check_common, parse, short
 
-PLAN_FORMAT = 6  # 6: compiled["partitioner_budget"], which an autosac reading format 5 would ignore
-READABLE_PLAN_FORMATS = (5, 6)  # a format-5 plan means the same today
+PLAN_FORMAT = 7  # 7: Decision.host_rng (6: compiled["partitioner_budget"], which an autosac reading 5 would ignore)
+READABLE_PLAN_FORMATS = (5, 6, 7)  # a format-5 or -6 plan means the same today, its host_rng unknown
 
 
 @dataclass
@@ -55,8 +55,10 @@ class Decision:
     dataflow differs from ``calls`` is handled per call (see the applier).
     ``writes_outside``: the traced forward writes in place a tensor made before
     it (batch norm's running stats, say); True where unknown.  ``host_rng``:
-    the traced forward drew from Python's or NumPy's global generator, whose
-    states the replay then starts from as the forward did; True where unknown.
+    the traced forward drew from Python's or NumPy's global generator or a
+    ``torch.Generator`` of its own, whose states the replay then starts from
+    as the forward did; None where unknown (a plan of format 6 or older, or
+    made from a compiled trace), handled as True and not priced.
     """
 
     fqn: str
@@ -69,7 +71,7 @@ class Decision:
     save: list[int] = field(default_factory=list)
     skip: list[int] = field(default_factory=list)
     writes_outside: bool = True
-    host_rng: bool = True
+    host_rng: bool | None = None
     mechanism_ms: float = 0.0  # of recompute_ms: what the checkpointing machinery costs the host (autosac.tools.calibrate)
 
 

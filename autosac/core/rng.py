@@ -47,7 +47,8 @@ class HostRng:
     @classmethod
     def now(cls, generators=()) -> HostRng:
         """The states now, with those of ``generators`` (``torch.Generator`` objects)."""
-        return cls(random.getstate(), np.random.get_state(), generators)
+        # legacy=False: a dict for any bit generator (np.random.set_bit_generator), which set_state takes
+        return cls(random.getstate(), np.random.get_state(legacy=False), generators)
 
     def generators(self) -> list[torch.Generator]:
         return [g for g, _ in self.torch]
@@ -61,12 +62,22 @@ class HostRng:
     def __eq__(self, other) -> bool:
         if not isinstance(other, HostRng):
             return NotImplemented
-        # numpy's legacy state: (name, key array, pos, has_gauss, cached_gaussian)
-        a, b = self.np, other.np
-        return (self.py == other.py and a[2:] == b[2:] and a[0] == b[0]
-                and bool(np.array_equal(a[1], b[1])))
+        return _same(self.np, other.np) and self.py == other.py
 
     __hash__ = None
+
+
+def _same(a, b) -> bool:
+    """Two NumPy generator states alike (nested dicts of numbers and arrays;
+    the small entries first: a draw moves the position, rarely the key)."""
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or a.keys() != b.keys():
+            return False
+        keys = sorted(a, key=lambda k: isinstance(a[k], (dict, np.ndarray)))
+        return all(_same(a[k], b[k]) for k in keys)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and bool(np.array_equal(a, b))
+    return type(a) is type(b) and a == b
 
 
 @contextmanager
@@ -79,7 +90,7 @@ def generators_kept():
         >>> with generators_kept():
         ...     torch.randn(3)      # the next draw outside is the same as without this
     """
-    py, npstate, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    py, npstate, cpu = random.getstate(), np.random.get_state(legacy=False), torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:
         yield

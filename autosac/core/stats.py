@@ -14,7 +14,7 @@ from autosac.core.errors import StatsFormatError
 from autosac.core.loop import Loop
 from autosac.core.schema import build, check_common, parse
 
-STATS_FORMAT = 8
+STATS_FORMAT = 9  # 9: ModuleStats.host_rng, inputs_written_later
 
 @dataclass
 class SavedOp:
@@ -127,9 +127,9 @@ class ModuleStats:
     # (autosac.core.pystate: containers and entries; a call's host cost, HostCosts.state_item_us)
     state_items: int = 0
     # its forward drew from Python's or NumPy's global generator (a mask from np.random, a layer dropped
-    # on random.random()): a checkpoint of it swaps their states in for the replay (autosac.core.rng);
-    # True where unknown
-    host_rng: bool = True
+    # on random.random()) or a torch.Generator passed to a random op: a checkpoint of it swaps their
+    # states in for the replay (autosac.core.rng); None: not watched (a compiled trace runs no module hooks)
+    host_rng: bool | None = None
     # a forward op after one of its calls writes that call's input in place (``x += block(x)``): its
     # checkpoint would re-run on the changed input (autograd refuses the backward), so it is no candidate
     inputs_written_later: bool = False

@@ -237,7 +237,7 @@ def _mechanism(stats: ModelStats, m, window, n_items: int, picks: list[int], hos
     # where the kernels run on this CPU, large ops cost a selective call's per-op work more (autosac.core.hostsize)
     made = stats.timeline.made_bytes[window[0] : window[1]] if stats.target.get("device_type") == "cpu" else ()
     mechanism = [host.checkpoint_ms(saved, ops, selective=not (can_be_plain and k == n_items), op_bytes=made,
-                                    roots=roots, state_items=m.state_items, host_rng=m.host_rng) for k in picks]
+                                    roots=roots, state_items=m.state_items, host_rng=bool(m.host_rng)) for k in picks]
     # the re-run is priced as the unmodified forward was, its per-MiB extras included (autosac.core.hostsize):
     # crediting a plain call's saved outputs with memory just freed (until session 13) put 6 of 10 models'
     # overheads further from measured, 10 of 20 rows within target against 16 without (docs/step-time-history.md);

@@ -282,7 +282,7 @@ def _module_stats(step: TracedStep, live: np.ndarray, times: _Times, saved: _Sav
             replay_stops=stops.get(fqn, [w[1] for w in windows]),
             routed=any(_has_event_in(rec.routed, w) for w in windows),
             state_items=rec.state_items.get(fqn, 0),
-            host_rng=rec.host_rng is None or fqn in rec.host_rng,
+            host_rng=None if rec.host_rng is None else fqn in rec.host_rng,
             inputs_written_later=any(_written_from(rec, set(found), w[1])
                                      for found, w in zip(rec.input_storages.get(fqn, []), windows)),
         )

@@ -413,7 +413,8 @@ class StepRecorder(TorchDispatchMode):
         slots, and its outputs' autograd nodes, resolved at the next op."""
         if op.writes:
             self._note_written(func, args, kwargs, idx)
-        if op.random and kwargs.get("generator") is not None and self.rec.host_rng is not None:
+        if op.random and self.rec.host_rng is not None and any(
+                isinstance(a, torch.Generator) for a in (*args, *kwargs.values())):  # poisson takes it positionally
             self.rec.host_rng.update(self.stack)  # a generator of its own: its state is swapped in for the replay
         self._note_param_use(func, args, outs)
         if number_in_tensor_slot(func, args, kwargs):
