@@ -432,3 +432,23 @@ def test_on_a_gpu_a_regions_machinery_hides_under_its_rerun():
             assert g.mechanism[k] == pytest.approx(max(0.0, machinery - rerun), rel=1e-9, abs=1e-12)
             hidden += machinery > 0 and g.mechanism[k] < machinery
     assert hidden  # some machinery was hidden
+
+
+def test_a_module_that_is_no_candidate_is_refused_naming_why():
+    # a tiny block frees less than its checkpoint would hold (CPU checkpoints stash the RNG state, 5 KB)
+    from suite import A100_CPU_KERNELS
+
+    from autosac.solver import plan_from_decisions
+
+    def block(d):
+        return nn.Sequential(nn.Linear(d, 2 * d), nn.LeakyReLU(0.2), nn.Linear(2 * d, d), nn.Tanh())
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(block(16), block(16), nn.Linear(16, 1)), torch.randn(8, 16)
+    stats = autosac.profile(model, x, target=A100_CPU_KERNELS)
+    hold = stats.checkpoint_state_bytes
+    assert hold > 2048
+    for fqn, why in (("0", f"its 2048 discardable bytes are no more than the {hold} its checkpoint would hold"),
+                     ("0.1", "no discardable activations"), ("nope", "the model has no such module")):
+        with pytest.raises(ValueError, match=rf"module '{fqn}' is not a checkpointing candidate \({why}"):
+            plan_from_decisions(stats, {fqn: 1.0})

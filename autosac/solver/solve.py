@@ -167,6 +167,25 @@ def _presolve_chain(problem: Problem, budget_bytes: int):
         return True, None, None
 
 
+def _not_candidate_because(stats: ModelStats, fqn: str) -> str:
+    """Why module ``fqn`` offers no checkpointing candidate (for the error naming it)."""
+    m = stats.modules.get(fqn)
+    if m is None:
+        return "the model has no such module"
+    if stats.world_size > 1 and fqn in unit_holders(stats):
+        return "it holds an FSDP2 unit inside it, whose parameters its re-run would gather again"
+    if m.inputs_written_later:
+        return "the step writes its input in place after the call, so its re-run would not see the input it ran on"
+    if m.discardable_bytes <= 0:
+        return "no discardable activations"
+    hold = m.retained_input_bytes + stats.checkpoint_state_bytes + m.outside_write_bytes
+    if m.discardable_bytes <= hold:
+        return (f"its {m.discardable_bytes} discardable bytes are no more than the {hold} its checkpoint would "
+                f"hold: inputs kept alive, the RNG state ({stats.checkpoint_state_bytes} bytes a call), copies "
+                "of what it writes in place")
+    return "no discard choice of it can be replayed exactly or frees memory at the step's peak"
+
+
 def plan_from_decisions(
     stats: ModelStats, decisions: dict[str, float], budget_bytes: int | None = None, *, max_choices: int = 16
 ) -> Plan:
@@ -189,11 +208,7 @@ def plan_from_decisions(
     choice = {}
     for fqn, ratio in decisions.items():
         if fqn not in index:
-            why = ("it holds an FSDP2 unit inside it, whose parameters its re-run would gather again"
-                   if stats.world_size > 1 and fqn in unit_holders(stats) else
-                   "the step writes its input in place after the call, so its re-run would not see the input it ran on"
-                   if fqn in stats.modules and stats.modules[fqn].inputs_written_later else
-                   "no discardable activations")
+            why = _not_candidate_because(stats, fqn)
             raise ValueError(f"module {fqn!r} is not a checkpointing candidate ({why})")
         if not 0 < ratio <= 1:
             raise ValueError(f"discard ratio {ratio!r} of {fqn!r} is not in (0, 1]")
