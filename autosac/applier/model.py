@@ -106,8 +106,7 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
         policies = {fqn: RegionPolicy.from_decision(plan.details[fqn]) for fqn in modules}
     except (TypeError, ValueError, IndexError) as e:
         raise StatsFormatError(f"malformed plan: {e}") from None
-    unknown = [fqn for fqn in modules if plan.details[fqn].host_rng is None]
-    if unknown and not plan.compiled:
+    if not plan.compiled and any(plan.details[fqn].host_rng is None for fqn in modules):
         warn_user(
             f"autosac: this plan does not say which of its {len(modules)} checkpointed modules draw from Python's "
             "or NumPy's generators (a plan of format 6 or older, or from a compiled trace): every checkpointed "

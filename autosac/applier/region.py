@@ -33,10 +33,11 @@ plan's :attr:`~autosac.core.plan.Decision.calls` by position:
   writes are read and written, in the replay, in a copy of them as they were
   when the region started, and the Python state the forward started from is
   swapped in for the replay (:mod:`autosac.core.pystate`; with Python's and
-  NumPy's global generators where the traced forward drew from them):
-  recomputation never updates anything twice, and draws what the forward drew.  A replay in a backward that frees the graph hands
-  each cached output over and drops it (as early as PyTorch's own SAC frees
-  it); one that retains the graph (``retain_graph=True``, ``create_graph=True``)
+  NumPy's global generators and the module's own ``torch.Generator`` where
+  the traced forward drew from them): recomputation never updates anything
+  twice, and draws what the forward drew.  A replay in a backward that frees
+  the graph hands each cached output over and drops it (as early as PyTorch's
+  own SAC frees it); one that retains the graph (``retain_graph=True``, ``create_graph=True``)
   hands out new aliases and keeps the cache for the next backward.
 """
 

@@ -98,8 +98,8 @@ class HostCosts:
     # since host-costs-v28, priced where stated (autosac.tools.calibration_size says why)
     checkpoint_us_per_mib: float = 0.0
     # a checkpointed call of a module whose forward draws from Python's or NumPy's global generator or a
-    # torch.Generator of its own (ModuleStats.host_rng): their states captured at its forward, swapped in for the replay and put
-    # back (autosac.core.rng.HostRng; 0: not measured)
+    # torch.Generator of its own (ModuleStats.host_rng): their states captured at its forward, swapped in
+    # for the replay and put back (autosac.core.rng.HostRng; 0: not measured)
     host_rng_us: float = 0.0
 
     def size_us(self, nbytes: float, us_per_mib: float) -> float:

@@ -11,8 +11,9 @@ contents of lists and dicts they hold); the replay runs with that state
 swapped in, and the state the forward left is put back afterwards, so the
 replay sees what the forward saw and leaves no trace.
 
-A forward that draws from Python's or NumPy's global generator (the trace
-notes which do: ``ModuleStats.host_rng``) has their states captured too
+A forward that draws from Python's or NumPy's global generator or a
+``torch.Generator`` of its own (the trace notes which do:
+``ModuleStats.host_rng``) has their states captured too
 (:class:`autosac.core.rng.HostRng`), so its replay draws what it drew.
 
 Tensors mutated in place (batch norm's running stats) are a dispatch-level

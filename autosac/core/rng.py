@@ -90,13 +90,12 @@ def generators_kept():
         >>> with generators_kept():
         ...     torch.randn(3)      # the next draw outside is the same as without this
     """
-    py, npstate, cpu = random.getstate(), np.random.get_state(legacy=False), torch.get_rng_state()
+    host, cpu = HostRng.now(), torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:
         yield
     finally:
-        random.setstate(py)
-        np.random.set_state(npstate)
+        host.install()
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)

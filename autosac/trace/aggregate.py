@@ -236,6 +236,7 @@ def _module_stats(step: TracedStep, live: np.ndarray, times: _Times, saved: _Sav
     recompute_starts = _recompute_starts(rec)
     stops = _replay_ends(rec)
     work, profiles, cache_holds = _recompute_work(rec, kept, times.bw_first, stops)
+    last_write = _last_writes(rec)
     modules: dict[str, ModuleStats] = {}
     for fqn, mtype in step.module_types.items():
         stack = stack_of(fqn)
@@ -283,8 +284,8 @@ def _module_stats(step: TracedStep, live: np.ndarray, times: _Times, saved: _Sav
             routed=any(_has_event_in(rec.routed, w) for w in windows),
             state_items=rec.state_items.get(fqn, 0),
             host_rng=None if rec.host_rng is None else fqn in rec.host_rng,
-            inputs_written_later=any(_written_from(rec, set(found), w[1])
-                                     for found, w in zip(rec.input_storages.get(fqn, []), windows)),
+            inputs_written_later=any(last_write.get(sid, -1) >= w[1]
+                                     for found, w in zip(rec.input_storages.get(fqn, []), windows) for sid in found),
         )
     return modules
 
@@ -370,11 +371,15 @@ def _outside_writes(rec, window) -> tuple[int, bool]:
     return sum(storages.values()), bool(storages)
 
 
-def _written_from(rec, storages: set[int], event: int) -> bool:
-    """Whether a forward op from ``event`` on writes in place any of ``storages``
-    (storage records: a call's inputs, written after the call returned)."""
-    return bool(storages) and any(
-        e >= event and sid in storages for e, items in rec.written.items() for _, sid, _ in items)
+def _last_writes(rec) -> dict[int, int]:
+    """Storage record -> the last forward event that writes it in place (a
+    module whose call's inputs are written after the call ends is
+    ``ModuleStats.inputs_written_later``)."""
+    last: dict[int, int] = {}
+    for e, items in rec.written.items():
+        for _, sid, _ in items:
+            last[sid] = max(e, last.get(sid, -1))
+    return last
 
 
 def stack_subtree(fqn: str, children: dict[str, list[str]]) -> list[str]:
