@@ -9,11 +9,14 @@ backward asks for it (inside checkpointed modules the policy recomputes it).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch._ops import _len_torch_dispatch_stack_pre_dispatch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from autosac.core.opkinds import is_param_cast
+from autosac.core.userwarn import warn_user
 
 _CAST_NODES = {"ToCopyBackward0"}
 # views that only reorder a parameter's dims, and how to make them again
@@ -54,6 +57,25 @@ def _param_behind(t: torch.Tensor) -> torch.nn.Parameter | None:
     return var if is_param_cast(view, base, var) else None
 
 
+class _Cast(NamedTuple):
+    """A parameter's cast, packed: what re-makes it, and the parameter's version then."""
+
+    param: torch.nn.Parameter
+    version: int
+    dtype: torch.dtype
+    size: torch.Size
+    stride: tuple
+    offset: int
+
+
+class _Saved(NamedTuple):
+    """Any other saved tensor, packed: it, and its version then (autograd checks
+    the version of what it saves, but not through saved-tensor hooks: checked here)."""
+
+    tensor: torch.Tensor
+    version: int
+
+
 def pack_cast(t: torch.Tensor):
     """A parameter's cast as what re-makes it; any other activation as an alias
     without its graph: kept as ``t`` itself, an output its own node saves
@@ -61,28 +83,73 @@ def pack_cast(t: torch.Tensor):
     C++ no collector breaks, so a result whose backward never runs (an unused
     ``std`` of a posterior) was never freed, a leak every step.  Autograd gives
     the unpacked alias its node back.  Detached with dispatch modes off: a
-    mode of the caller's sees no op of autosac's."""
+    mode of the caller's sees no op of autosac's.
+
+    Each with its version: autograd skips its in-place check for tensors that
+    go through saved-tensor hooks, so :func:`unpack_cast` makes it.  A cast
+    autocast made before its parameter last changed (its cache lives as long as
+    the outermost ``torch.autocast`` region, optimizer steps included) is saved
+    as it is: re-made, it would hold the parameter's new values."""
     if torch.compiler.is_compiling():  # a compiled graph: the partitioner decides (casts are MUST_RECOMPUTE)
         return t
+    version = t._version
     if t.requires_grad and t.grad_fn is not None:
         param = _param_behind(t)
-        if param is not None:
-            return ("autosac-cast", param, t.dtype, t.size(), t.stride(), t.storage_offset())
+        if param is not None and _fresh(t, param):
+            return _Cast(param, param._version, t.dtype, t.size(), t.stride(), t.storage_offset())
         if not torch._C._len_torch_dispatch_stack() and not _len_torch_dispatch_stack_pre_dispatch():
-            return t.detach()  # no mode to hide it from: a microsecond where disabling modes takes four
+            return _Saved(t.detach(), version)  # no mode to hide it from: a microsecond where disabling modes takes four
         with _disable_current_modes():
-            return t.detach()
-    return t
+            return _Saved(t.detach(), version)
+    return _Saved(t, version)
 
 
 def unpack_cast(packed):
     """The cast re-made from its parameter.  The forward's cast had the layout
     of a view reordering the contiguous parameter's dims (checked when packed),
     so its storage holds the elements in the parameter's own order: the
-    parameter's cast, viewed with the saved tensor's geometry, is it."""
-    if isinstance(packed, tuple) and packed and packed[0] == "autosac-cast":
-        _, param, dtype, size, stride, offset = packed
+    parameter's cast, viewed with the saved tensor's geometry, is it.
+
+    Raises:
+        RuntimeError: the saved tensor, or the parameter a cast is re-made
+            from, was changed in place since it was saved (as autograd raises
+            without the hook; for a parameter, an optimizer step between a
+            forward and its backward).
+    """
+    if isinstance(packed, _Saved):
+        if packed.tensor._version != packed.version:
+            raise RuntimeError(_modified(packed.tensor, packed.version, "a tensor saved for backward"))
+        return packed.tensor
+    if isinstance(packed, _Cast):
+        if packed.param._version != packed.version:
+            raise RuntimeError(_modified(packed.param, packed.version, "a parameter whose autocast copy backward "
+                                         "needs (an optimizer step between a forward and its backward?)"))
         with torch.no_grad():
-            copy = param.to(dtype)
-        return copy.as_strided(size, stride, offset)
+            copy = packed.param.to(packed.dtype)
+        return copy.as_strided(packed.size, packed.stride, packed.offset)
     return packed
+
+
+def _fresh(cast: torch.Tensor, param: torch.nn.Parameter) -> bool:
+    """Whether ``cast`` holds ``param``'s present values: the parameter's
+    version when the cast was first saved is noted on it, and autocast's cache
+    hands the same cast to later forwards of one region."""
+    base = cast._base if cast._is_view() else cast
+    made = base.__dict__.setdefault("_autosac_param_version", param._version)
+    if made == param._version:
+        return True
+    if not base.__dict__.setdefault("_autosac_stale_said", False):
+        base._autosac_stale_said = True
+        warn_user(
+        "autosac: autocast reused a parameter's low-precision copy made before that parameter changed (one "
+            "torch.autocast region around optimizer steps keeps its casts until it exits, so the forward ran on "
+            "the weights from before the step); such copies are saved as they are -- gradients as without a plan, "
+            "held beyond the plan's budget. Put torch.autocast around the forward and loss only"
+        )
+    return False
+
+
+def _modified(t: torch.Tensor, saved: int, what: str) -> str:
+    return (f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"{what}, {t.dtype} {list(t.shape)}, is at version {t._version}; expected version {saved} instead "
+            "(autosac's saved-tensor hook checks what autograd checks without it)")

@@ -120,6 +120,7 @@ class RegionCall:
         self.cache: dict[int, object] = {}  # call index -> its outputs, detached, where the call is saved
         self.shapes: dict[int, object] = {}  # call index -> its outputs' shapes, where the replay may skip it
         self.differs: str | None = None  # how the call first departed from the plan
+        self.hint = _OTHER_INPUTS  # (the likely cause, the fix) said with it
         self.kind = ""  # "ops" or "flow": which way it departed
         self.unsafe: str | None = None  # a cached output written after a re-run op read it
         self.cached: set[int] = set()  # storages whose latest value the cache holds
@@ -182,6 +183,8 @@ class RegionCall:
             self._depart("ops", f"ran more op calls than traced ({name} as call #{i})")
         elif calls[i][0] != name:
             self._depart("ops", f"ran {name} as op call #{i} where the trace ran {calls[i][0]}")
+            if calls[i][0] == "_to_copy" and not calls[i][1] and torch.is_autocast_cache_enabled():
+                self.hint = _CACHED_CASTS
         else:
             self._depart("flow", f"ran op call #{i} ({name}) on other results than in the trace")
 
@@ -223,10 +226,10 @@ class RegionCall:
         if self.differs is None or self.state.grew():
             return  # matched, or a first call that built lazy state (later calls match the steady-state trace)
         self.policy.warn(self.kind, (
-            f"autosac: module '{self.policy.fqn}' {self.differs} (other inputs, shapes or mode than traced?). "
+            f"autosac: module '{self.policy.fqn}' {self.differs} ({self.hint[0]}). "
             "That call recomputes every op from the difference on and skips none: gradients are exact, "
             "recompute time is higher and its memory may differ from the plan's. Calls that match "
-            "the plan stay checkpointed as planned; re-plan with the inputs you run."
+            f"the plan stay checkpointed as planned; {self.hint[1]}."
         ))
 
     # ---------------------------------------------------------- replay
@@ -403,6 +406,13 @@ class _Replay(TorchDispatchMode):
 
 
 _TO_COPY = torch.ops.aten._to_copy.default
+
+
+_OTHER_INPUTS = ("other inputs, shapes or mode than traced?", "re-plan with the inputs you run")
+# where the trace cast a weight and the forward found it cast: autocast's cache, kept for the whole region
+_CACHED_CASTS = ("the weights' casts were in autocast's cache: a forward after another in one torch.autocast "
+                 "region reuses the first one's casts, where the traced forward made them",
+                 "enter torch.autocast once per forward (around forward and loss) to keep every call as planned")
 
 
 def _autocast_weight_cast(args) -> bool:
