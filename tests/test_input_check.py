@@ -1,8 +1,10 @@
-"""The applied model checks its inputs' shapes on every forward (a plan holds
-for the shapes it was traced with): once per new signature, cheaply for the
-shapes a loop runs again."""
+"""The applied model checks its inputs' shapes on every training forward (a
+plan holds for the shapes it was traced with): once per new signature, cheaply
+for the shapes a loop runs again; and its parameters: a dtype or a
+requires_grad the plan was not made for is said once."""
 
 import collections
+import copy
 import warnings
 
 import pytest
@@ -82,3 +84,80 @@ def test_a_model_in_eval_mode_is_planned_with_a_warning_that_says_so():
             "training step"]), said
         assert [w.filename for w in caught if "eval mode" in str(w.message)] == ([] if training else [__file__])
         assert any(op.random for op in stats.saved_ops) == training  # dropout traced in train mode only
+
+
+def _said(run, text):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()
+    return [str(w.message) for w in caught if text in str(w.message)]
+
+
+def test_validation_forwards_do_not_use_up_the_shape_warning():
+    """A no_grad or inference_mode forward checkpoints nothing: it warned about
+    its shapes, and used up the one warning a training step at those shapes
+    then needed (a new-user trial)."""
+    torch.manual_seed(0)
+    model = _Two()
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+    autosac.apply(model, autosac.solve(model, "least", example_inputs=(x, y), target="cpu"))
+    other = (torch.randn(4, 8), torch.randn(4, 8))
+
+    def validate():
+        with torch.no_grad():
+            model(*other)
+        with torch.inference_mode():
+            model(*other)
+
+    assert _said(validate, "made for inputs") == []
+    assert len(_said(lambda: model(*other).sum().backward(), "made for inputs")) == 1
+
+
+def _frozen_plan():
+    torch.manual_seed(0)
+    model = _Two()
+    model.a.requires_grad_(False)
+    x, y = torch.randn(64, 8), torch.randn(64, 8)
+    plan = autosac.solve(model, "least", example_inputs=(x, y), target="cpu", optimizer="adamw")
+    assert plan.frozen == ["a.bias", "a.weight"]
+    return model, (x, y), plan
+
+
+def test_unfreezing_what_the_plan_traced_frozen_is_said_once_and_is_over_the_budget():
+    """Planned with a frozen part, then unfrozen (after some epochs): the
+    gradients and optimizer state of that part are beyond the budget (1.5-2.2x
+    in a new-user trial), and nothing said so.  Said once, at the first
+    training forward after; the measured peak shows why."""
+    model, inputs, plan = _frozen_plan()
+    autosac.apply(model, plan)
+    assert _said(lambda: model(*inputs).sum().backward(), "require gradients") == []
+    before = autosac.measure(model, inputs, optimizer="adamw", steps=1).peak_bytes
+    model.a.requires_grad_(True)
+    said = _said(lambda: [model(*inputs).sum().backward() for _ in range(2)], "require gradients")
+    assert len(said) == 1 and "2 parameters" in said[0] and "'a." in said[0], said
+    after = autosac.measure(model, inputs, optimizer="adamw", steps=1).peak_bytes
+    assert before <= plan.budget_bytes < after
+
+
+def test_a_copy_watches_its_own_parameters():
+    model, inputs, plan = _frozen_plan()
+    autosac.apply(model, plan)
+    model(*inputs).sum().backward()
+    twin = copy.deepcopy(model)
+    twin.a.requires_grad_(True)
+    assert _said(lambda: model(*inputs).sum().backward(), "require gradients") == []
+    assert len(_said(lambda: twin(*inputs).sum().backward(), "require gradients")) == 1
+
+
+def test_a_dtype_change_after_apply_is_said_once():
+    """``model.to(torch.float64)`` after apply doubles every byte the plan
+    counted (1.7-2x the budget in a new-user trial), silently."""
+    torch.manual_seed(0)
+    model = _Two()
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+    autosac.apply(model, autosac.solve(model, "least", example_inputs=(x, y), target="cpu"))
+    model.to(torch.float64)
+    with torch.no_grad():
+        assert _said(lambda: model(x.double(), y.double()), "changed since the plan") == []
+    said = _said(lambda: [model(x.double(), y.double()).sum().backward() for _ in range(2)], "changed since the plan")
+    assert len(said) == 1 and "float64" in said[0], said

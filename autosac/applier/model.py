@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from autosac.applier.casts import pack_cast, unpack_cast
 from autosac.applier.inner_hooks import warn_inner_hooks
+from autosac.applier.param_watch import ParamWatch
 from autosac.applier.partitioner import require as require_partitioner
 from autosac.applier.partitioner import unwrap_root, wrap_root
 from autosac.applier.region import RegionPolicy
@@ -123,7 +124,7 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     for _, inner in transformers_models(model):  # wherever they sit: the root or inside a wrapper
         inner.register_forward_pre_hook(_HOOKS["no_cache"], with_kwargs=True, prepend=True)
     setattr(model, APPLIED, {"plan": plan, "warned_shapes": set(), "checked_shapes": set(),
-                             "release": _Release(list(modules.values()))})
+                             "release": _Release(list(modules.values())), "params": ParamWatch(plan)})
     model.__dict__[_CAST_CTX] = []  # made here, not at the first forward: a trace sees no new state
     return model
 
@@ -328,9 +329,11 @@ def _hook(name: str) -> _Hook:
 
 def _enter_model(module, args, kwargs):
     state = module.__dict__.get(APPLIED)
-    if state is not None and state["plan"].input_shapes:
-        _check_shapes(state, args, kwargs)
-    if state is not None and torch.is_grad_enabled():
+    if state is not None and torch.is_grad_enabled():  # a training forward (no_grad validation checkpoints nothing)
+        if state["plan"].input_shapes:
+            _check_shapes(state, args, kwargs)
+        if "params" in state:  # (a model applied and pickled by autosac before it)
+            state["params"].check(module)
         _check_device(state, module)
         _check_units(state, module)
         warn_inner_hooks(state, module)

@@ -125,6 +125,9 @@ class Plan:
     # mixture-of-experts routing the plan assumes (ModelStats.routing: the assumption and the routing
     # decisions traced); {} for a model that routes nothing
     routing: dict = field(default_factory=dict)
+    # parameters the traced step did not train (requires_grad False): one trainable now holds a gradient and
+    # optimizer state the budget has no room for (autosac.applier.param_watch says so); [] in plans made before
+    frozen: list[str] = field(default_factory=list)
     format: int = PLAN_FORMAT
 
     @property

@@ -327,7 +327,7 @@ def _make_plan(stats: ModelStats, problem: Problem, choice: dict[int, int], budg
         grad_accumulation=stats.grad_accumulation, zero_grad=stats.zero_grad,
         batches_ahead=stats.batches_ahead,
         mechanism_ms=problem.mechanism_ms(choice), param_casts=any(op.param_cast for op in stats.saved_ops),
-        routing=dict(stats.routing),
+        routing=dict(stats.routing), frozen=sorted(f for f, p in stats.params.items() if not p.requires_grad),
     )
 
 

@@ -1,0 +1,112 @@
+"""The parameters an applied plan was made for, watched at each training forward.
+
+A plan's peak holds for the step it traced: parameters of the dtypes they had
+and gradients for those that required them.  Two common moves change that step
+after ``apply`` without touching the plan: ``model.to(torch.float64)`` (or
+``.half()``), which changes every parameter's bytes, and unfreezing a frozen
+backbone after some epochs, which gives it gradients and optimizer state the
+budget has no room for (1.5-2.2x the budget in a new-user trial).  Each is
+said once, at the first training forward that runs so.
+
+The check per forward compares one tuple of ``(requires_grad, dtype)`` over the
+parameters, read through weak references (about 0.1 us a parameter); the names
+are looked up only when it changes.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from operator import attrgetter
+
+from torch import nn
+
+from autosac.core.budget import format_bytes
+from autosac.core.fingerprint import model_fingerprint
+from autosac.core.plan import Plan
+from autosac.core.userwarn import warn_user
+
+_KEY = attrgetter("requires_grad", "dtype")
+
+
+class ParamWatch:
+    """Whether a model's parameters still train and weigh what ``plan`` traced.
+
+    Example::
+
+        >>> watch = ParamWatch(plan)
+        >>> watch.check(model)          # each training forward: warns once per change the plan did not trace
+    """
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.refs: list | None = None  # weak references to the parameters, in the model's order
+        self.key: tuple = ()
+        self.said: set = set()
+        self.root: type | None = None  # the model's class when collected (fully_shard changes it)
+
+    def check(self, model: nn.Module) -> None:
+        """Warn once per kind of change: a dtype the plan was not made for, or
+        a parameter the plan traced frozen that now requires a gradient."""
+        refs = self.refs
+        if refs is None or type(model) is not self.root:
+            self._collect(model)
+            return
+        params = [r() for r in refs]
+        if None in params:  # parameters replaced (and freed) since: look again
+            self._collect(model)
+            return
+        key = tuple(map(_KEY, params))
+        if key != self.key:
+            self.key = key
+            self._compare(model)
+
+    def _collect(self, model: nn.Module) -> None:
+        self.root = type(model)
+        params = list(model.parameters())
+        if _fsdp(model) or any(_sharded(p) for p in params):  # FSDP2 swaps parameters in and out: not watched
+            self.refs, self.key = [], ()
+            return
+        self.refs = [weakref.ref(p) for p in params]
+        self.key = tuple(map(_KEY, params))
+        self._compare(model)
+
+    def _compare(self, model: nn.Module) -> None:
+        named = list(model.named_parameters())
+        frozen = set(self.plan.frozen)
+        trained = [(fqn, p) for fqn, p in named if p.requires_grad and fqn in frozen]
+        if trained and "unfrozen" not in self.said:
+            self.said.add("unfrozen")
+            size = sum(p.numel() * p.element_size() for _, p in trained)
+            warn_user(
+                f"autosac: {len(trained)} parameters the plan for {self.plan.model} was made with frozen now require "
+                f"gradients ({trained[0][0]!r}{', ...' if len(trained) > 1 else ''}; {format_bytes(size)}): their "
+                "gradients and optimizer state are beyond its budget -- re-plan with them trainable "
+                "(autosac.solve after requires_grad_(True))"
+            )
+        if "dtype" not in self.said and model_fingerprint(model) != self.plan.fingerprint:
+            changed = sorted({str(p.dtype).removeprefix("torch.") for _, p in named})
+            self.said.add("dtype")
+            warn_user(
+                f"autosac: the parameters of {self.plan.model} changed since the plan was made (now "
+                f"{', '.join(changed)}; a .to(dtype), .half() or a replaced parameter): its predicted peak and "
+                "budget hold only for the traced model -- re-plan for the model as it is now"
+            )
+
+    def __deepcopy__(self, memo):  # a copy watches its own parameters: collected again at its first forward
+        return ParamWatch(self.plan)
+
+    def __reduce__(self):  # weak references do not pickle: the loaded model collects its own
+        return (ParamWatch, (self.plan,))
+
+
+def _sharded(p) -> bool:
+    """Whether ``p`` is a ``DTensor`` (FSDP2's sharded parameters; never imported: none)."""
+    tensor_module = sys.modules.get("torch.distributed.tensor")
+    return tensor_module is not None and isinstance(p, tensor_module.DTensor)
+
+
+def _fsdp(model: nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to ``model`` or a module in it."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules())
