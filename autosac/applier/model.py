@@ -288,11 +288,28 @@ def _checkpointed_forward(self, own, policy, *args, **kwargs):
     # it off process-wide is that setting overridden, for this call (it changes no result)
     early = set_checkpoint_early_stop(True) if _checkpoint_module._enable_checkpoint_early_stop is False \
         else contextlib.nullcontext()
-    with early:
+    with early, _func_transforms_named():
         out = checkpoint(call.wrap(original, args, kwargs), *args, use_reentrant=False, preserve_rng_state=True,
                          context_fn=call.contexts)
     call.finish()
     return out
+
+
+@contextlib.contextmanager
+def _func_transforms_named():
+    """torch.func's ``grad``, ``vjp``, ``jacrev`` refuse saved-tensor hooks,
+    which checkpointing runs on, in a message that names neither: said in one
+    line with the way out."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "torch.func" not in str(e) or "saved tensor hooks" not in str(e):
+            raise
+        raise RuntimeError(
+            "autosac: torch.func transforms (grad, vjp, jacrev, hessian) cannot differentiate a model with a plan "
+            "applied -- checkpointing runs on saved-tensor hooks, which torch.func does not support: call "
+            "autosac.unapply(model) for those calls, or use torch.autograd.grad"
+        ) from e
 
 
 class _Hook:
@@ -341,7 +358,8 @@ def _enter_model(module, args, kwargs):
     casts = state is None or state["plan"].param_casts
     ctx = torch.autograd.graph.saved_tensors_hooks(pack_cast, unpack_cast) if casts else None
     if ctx is not None:
-        ctx.__enter__()
+        with _func_transforms_named():
+            ctx.__enter__()
     module.__dict__.setdefault(_CAST_CTX, []).append(ctx)
     return None
 
