@@ -3,7 +3,8 @@
 The peak comes from an independent source, never from autosac's tracer.  On
 CPU: the PyTorch profiler's allocator events (every allocation and free the
 allocator made during one step), added to the bytes of the tensors alive when
-the step starts (parameters, buffers, optimizer state, inputs).  On CUDA:
+the step starts (parameters, buffers, optimizer state, inputs, and the
+gradient buckets a ``DistributedDataParallel`` reports).  On CUDA:
 ``torch.cuda.max_memory_allocated`` over one step (tensor bytes, not the
 caching allocator's reserve).
 """
@@ -11,6 +12,7 @@ caching allocator's reserve).
 from __future__ import annotations
 
 import gc
+import re
 import statistics
 import time
 from contextlib import nullcontext
@@ -250,9 +252,10 @@ def _cpu_peak(runner: _LoopRunner, ahead: list[torch.Tensor]) -> int:
         alive += [t for st in opt.state.values() for t in st.values()]
     alive += ahead
     grads = [p.grad for p in model.parameters() if p.grad is not None]  # zero_grad="before_backward"
+    buckets = _ddp_bucket_bytes(model, bool(grads))
     if not runner.loop.output_held and not grads:
         peak, _ = allocation_peak(runner.step)
-        return _storage_bytes(alive) + peak
+        return _storage_bytes(alive) + buckets + peak
     # The measured step frees the previous step's output (and gradients), which the profiler
     # reports only if they were made under the profile: one step runs first, then the measured
     # step, counted from its start; what the first leaves alive is counted as the step before
@@ -268,4 +271,18 @@ def _cpu_peak(runner: _LoopRunner, ahead: list[torch.Tensor]) -> int:
         return runner.step()
 
     peak, _ = allocation_peak(two_steps, after=_MEASURED)
-    return base + peak
+    return base + buckets + peak
+
+
+def _ddp_bucket_bytes(model: nn.Module, grads_alive: bool) -> int:
+    """The gradient buckets of each ``DistributedDataParallel`` in ``model``,
+    as DDP reports them (its logging data's ``bucket_sizes``): made when DDP
+    was built, alive through the step, and no tensor the count above holds --
+    but with ``gradient_as_bucket_view`` the gradients, when alive, are views
+    of them and already count them."""
+    total = 0
+    for ddp in model.modules():
+        if isinstance(ddp, nn.parallel.DistributedDataParallel) and not (ddp.gradient_as_bucket_view and grads_alive):
+            sizes = ddp._get_ddp_logging_data().get("bucket_sizes", "")
+            total += sum(int(n) for n in re.findall(r"\d+", str(sizes)))
+    return total

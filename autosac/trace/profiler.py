@@ -160,6 +160,9 @@ def profile(
     spec = resolve_target(target)
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if world_size > 1 and any(isinstance(m, nn.parallel.DistributedDataParallel) for m in model.modules()):
+        raise ValueError("DistributedDataParallel replicates the model on each rank: plan it with world_size=1 "
+                         "(world_size models FSDP2's sharding)")
     mixed = _mixed_precision(model, world_size, param_dtype, reduce_dtype)
     check_autocast_dtype(autocast)
     loop = resolve_loop(loop, output_held=output_held, grad_accumulation=grad_accumulation, zero_grad=zero_grad,

@@ -44,6 +44,7 @@ from autosac.trace.step_errors import ValueBranchError, first_line, run_forward
 from autosac.trace.step_state import (
     drop_gradients,
     hold_batches_ahead,
+    hold_ddp_buckets,
     hold_gradients,
     hold_previous_output,
     init_optimizer_state,
@@ -225,6 +226,7 @@ def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autoc
     params = track_params(model, opt, recorder)
     if loop.grads_alive:
         hold_gradients(model, recorder)
+    hold_ddp_buckets(model, recorder, grads_held=bool(loop.grads_alive))
     buffer_bytes = track_new(recorder, {id(b): b for b in model.buffers()}.values(), "buffer")
     input_bytes = track_new(recorder, tree_leaves((args, kwargs)), "input")
     input_bytes += hold_batches_ahead(recorder, input_bytes, loop.batches_ahead)

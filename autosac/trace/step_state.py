@@ -1,7 +1,7 @@
 """The state a traced step finds when it starts, as a training loop leaves it:
 parameters and their optimizer state (as from the second step on), gradients
-held from earlier micro-batches, batches a data loader fetched ahead, and the
-previous step's output -- each registered with the :class:`StepRecorder`."""
+held from earlier micro-batches, DistributedDataParallel's gradient buckets,
+batches a data loader fetched ahead, and the previous step's output -- each registered with the :class:`StepRecorder`."""
 
 from __future__ import annotations
 
@@ -42,6 +42,33 @@ def hold_gradients(model: nn.Module, recorder: StepRecorder) -> None:
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
             recorder.track(p.grad, "grad")
+
+
+def hold_ddp_buckets(model: nn.Module, recorder: StepRecorder, grads_held: bool) -> int:
+    """``DistributedDataParallel``'s gradient buckets, for each DDP in the
+    model: a flat copy of the gradients of the parameters it reduces, made when
+    DDP is built and alive through every step.  With
+    ``gradient_as_bucket_view=True`` the gradients are views of them, alive
+    from the step's start (as :func:`hold_gradients` holds them; already so
+    where ``grads_held``); otherwise one record of their bytes besides the
+    gradients autograd makes.  Returns the bytes added."""
+    added = 0
+    for ddp in model.modules():
+        if not isinstance(ddp, nn.parallel.DistributedDataParallel):
+            continue
+        ignored = ddp.parameters_to_ignore
+        reduced = {id(p): p for fqn, p in ddp.module.named_parameters() if p.requires_grad and fqn not in ignored}
+        if ddp.gradient_as_bucket_view:
+            for p in reduced.values():
+                if p.grad is None and not grads_held:
+                    p.grad = torch.zeros_like(p)
+                    added += recorder.rec.storages[recorder.track(p.grad, "grad")].nbytes
+            continue
+        nbytes = sum(p.numel() * p.element_size() for p in reduced.values())
+        if nbytes:
+            recorder.rec.storages.append(StorageRecord(nbytes, "grad", -1))
+            added += nbytes
+    return added
 
 
 def hold_batches_ahead(recorder: StepRecorder, input_bytes: int, n: int) -> int:
