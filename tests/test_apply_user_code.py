@@ -356,6 +356,32 @@ def test_a_users_hook_inside_a_checkpointed_module_is_named_once_as_running_agai
     assert len([w for w in caught if "run again" in str(w.message)]) == 1
 
 
+def test_a_hook_for_every_module_is_named_as_running_again_in_the_backward():
+    """``register_module_forward_hook`` (a global activation logger) fires for
+    each module inside a checkpointed one again in its replay; the warning read
+    only the modules' own hook tables."""
+    model, x = _net()
+    plan = _plan(model, x)
+    seen = []
+
+    def log_every_module(mod, args, out):
+        seen.append(type(mod).__name__)
+
+    handle = nn.modules.module.register_module_forward_hook(log_every_module)
+    try:
+        autosac.apply(model, plan)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(x).sum().backward()
+    finally:
+        handle.remove()
+    said = [str(w.message) for w in caught if "run again" in str(w.message)]
+    assert len(said) == 1 and "'every module' (test_a_hook_for_every_module" in said[0], said
+    # as said: each checkpointed block's first Linear again in its replay (which stops once it has what
+    # the backward needs, before the second)
+    assert seen.count("Linear") == 6 + 2
+
+
 class _ReluFirst(nn.Module):
     def __init__(self, d):
         super().__init__()

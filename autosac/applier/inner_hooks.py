@@ -4,7 +4,9 @@ training forward of an applied model.
 A checkpoint's replay re-runs the forward of every module inside the
 checkpointed one, and with it their forward hooks and pre-hooks (as
 ``torch.utils.checkpoint`` does: a hook may change what the module returns,
-so the replay cannot skip it).  A hook that only records -- activations
+so the replay cannot skip it); hooks registered for every module
+(``torch.nn.modules.module.register_module_forward_hook``) too, for each module
+inside.  A hook that only records -- activations
 appended to a list, a counter or statistics logger of its own -- then sees
 each of those calls twice, the second time in the backward (what it changes
 on the modules themselves is undone: the replay swaps their Python state,
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from torch import nn
 
 from autosac.core.marks import POLICY
@@ -40,13 +43,17 @@ def warn_inner_hooks(state: dict, model: nn.Module) -> None:
     if state.get("hooks_checked"):
         return
     state["hooks_checked"] = True
-    found = []
+    found, inside = [], False
     for fqn, region in model.named_modules():
         if POLICY not in region.__dict__:
             continue
         for name, inner in region.named_modules():
-            hooks = [*inner._forward_pre_hooks.values(), *inner._forward_hooks.values()] if name else ()
-            found.extend((f"{fqn}.{name}" if fqn else name, _name(h)) for h in hooks if _users(h))
+            if name:
+                inside = True
+                hooks = [*inner._forward_pre_hooks.values(), *inner._forward_hooks.values()]
+                found.extend((f"{fqn}.{name}" if fqn else name, _name(h)) for h in hooks if _users(h))
+    if inside:  # hooks for every module run again for each module inside a checkpointed one
+        found.extend(_global_hooks())
     if found:
         shown = ", ".join(f"'{where}' ({what})" for where, what in found[:3])
         more = f" and {len(found) - 3} more" if len(found) > 3 else ""
@@ -57,6 +64,16 @@ def warn_inner_hooks(state: dict, model: nn.Module) -> None:
             "that only records can go on the checkpointed module itself, where it runs once, or on a module no "
             "checkpointed one holds"
         )
+
+
+def _global_hooks() -> list[tuple[str, str]]:
+    """The user's hooks for every module (``register_module_forward_hook`` and
+    ``..._pre_hook``): they run for the modules inside a checkpointed one again
+    in its replay.  Read from ``torch.nn.modules.module``'s tables (no public
+    accessor); none where a torch version keeps them elsewhere."""
+    tables = [getattr(torch.nn.modules.module, name, None) or {}
+              for name in ("_global_forward_pre_hooks", "_global_forward_hooks")]
+    return [("every module", _name(h)) for table in tables for h in table.values() if _users(h)]
 
 
 def _target(hook):
