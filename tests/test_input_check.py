@@ -161,3 +161,36 @@ def test_a_dtype_change_after_apply_is_said_once():
         assert _said(lambda: model(x.double(), y.double()), "changed since the plan") == []
     said = _said(lambda: [model(x.double(), y.double()).sum().backward() for _ in range(2)], "changed since the plan")
     assert len(said) == 1 and "float64" in said[0], said
+
+
+def test_the_watch_compares_no_tensors_and_a_toggling_loop_pays_no_fingerprint(monkeypatch):
+    """Review found ``None in params`` calling ``Tensor.__eq__`` per parameter
+    each forward (seen by the user's TorchFunctionModes too), and a loop that
+    toggles ``requires_grad`` each step (GAN alternation, Lightning's
+    ``toggle_optimizer``) paying a fingerprint of the model each forward."""
+    from torch.overrides import TorchFunctionMode
+
+    from autosac.applier import param_watch
+
+    model, inputs, plan = _frozen_plan()
+    model.a.requires_grad_(True)  # trained in this loop's other half: said once, not checked again
+    autosac.apply(model, plan)
+    fingerprints = []
+    real = param_watch.model_fingerprint
+    monkeypatch.setattr(param_watch, "model_fingerprint", lambda m: fingerprints.append(1) or real(m))
+    seen = []
+
+    class Calls(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(6):
+            model.b.requires_grad_(step % 2 == 0)
+            model(*inputs).sum().backward()
+        watch = model.__dict__[autosac.applier.model.APPLIED]["params"]
+        with Calls():
+            watch.check(model)
+    assert len(fingerprints) == 1 and "__eq__" not in seen, seen

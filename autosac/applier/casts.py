@@ -76,7 +76,7 @@ class _Saved(NamedTuple):
     version: int
 
 
-def pack_cast(t: torch.Tensor):
+def pack_cast(t: torch.Tensor, forward: object = None):
     """A parameter's cast as what re-makes it; any other activation as an alias
     without its graph: kept as ``t`` itself, an output its own node saves
     (``exp``, ``tanh``) would hold that node, which holds it -- a cycle through
@@ -87,15 +87,17 @@ def pack_cast(t: torch.Tensor):
 
     Each with its version: autograd skips its in-place check for tensors that
     go through saved-tensor hooks, so :func:`unpack_cast` makes it.  A cast
-    autocast made before its parameter last changed (its cache lives as long as
-    the outermost ``torch.autocast`` region, optimizer steps included) is saved
-    as it is: re-made, it would hold the parameter's new values."""
+    first saved in an earlier forward (``forward``: a token of the applied
+    model's forward call) came from autocast's cache, which lives as long as
+    the outermost ``torch.autocast`` region, optimizer steps included: it is
+    saved as it is, since the parameter may have changed since (through
+    ``.data`` too, which no version shows); re-made, it would hold the new values."""
     if torch.compiler.is_compiling():  # a compiled graph: the partitioner decides (casts are MUST_RECOMPUTE)
         return t
     version = t._version
     if t.requires_grad and t.grad_fn is not None:
         param = _param_behind(t)
-        if param is not None and _fresh(t, param):
+        if param is not None and _fresh(t, forward):
             return _Cast(param, param._version, t.dtype, t.size(), t.stride(), t.storage_offset())
         if not torch._C._len_torch_dispatch_stack() and not _len_torch_dispatch_stack_pre_dispatch():
             return _Saved(t.detach(), version)  # no mode to hide it from: a microsecond where disabling modes takes four
@@ -130,21 +132,22 @@ def unpack_cast(packed):
     return packed
 
 
-def _fresh(cast: torch.Tensor, param: torch.nn.Parameter) -> bool:
-    """Whether ``cast`` holds ``param``'s present values: the parameter's
-    version when the cast was first saved is noted on it, and autocast's cache
-    hands the same cast to later forwards of one region."""
+def _fresh(cast: torch.Tensor, forward: object) -> bool:
+    """Whether ``cast`` was made in this forward (``forward``: its token,
+    noted on the cast when first saved; None: every cast is)."""
+    if forward is None:
+        return True
     base = cast._base if cast._is_view() else cast
-    made = base.__dict__.setdefault("_autosac_param_version", param._version)
-    if made == param._version:
+    made = base.__dict__.setdefault("_autosac_forward", forward)
+    if made is forward:
         return True
     if not base.__dict__.setdefault("_autosac_stale_said", False):
         base._autosac_stale_said = True
         warn_user(
-        "autosac: autocast reused a parameter's low-precision copy made before that parameter changed (one "
-            "torch.autocast region around optimizer steps keeps its casts until it exits, so the forward ran on "
-            "the weights from before the step); such copies are saved as they are -- gradients as without a plan, "
-            "held beyond the plan's budget. Put torch.autocast around the forward and loss only"
+            "autosac: autocast handed this forward a parameter's low-precision copy made in an earlier forward "
+            "(one torch.autocast region keeps its casts until it exits: around an optimizer step, the forward ran "
+            "on the weights from before it); such copies are saved as they are -- gradients as without a plan, "
+            "held beyond the plan's budget. Put torch.autocast around each forward and its loss only"
         )
     return False
 

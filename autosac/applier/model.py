@@ -356,7 +356,9 @@ def _enter_model(module, args, kwargs):
         warn_inner_hooks(state, module)
     # the cast hook sees every tensor the model saves: only where the traced step saved casts
     casts = state is None or state["plan"].param_casts
-    ctx = torch.autograd.graph.saved_tensors_hooks(pack_cast, unpack_cast) if casts else None
+    # (each forward its own token: a cast first saved in an earlier one came from autocast's cache)
+    ctx = torch.autograd.graph.saved_tensors_hooks(functools.partial(pack_cast, forward=object()),
+                                                   unpack_cast) if casts else None
     if ctx is not None:
         with _func_transforms_named():
             ctx.__enter__()

@@ -41,7 +41,9 @@ class ParamWatch:
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self.refs: list | None = None  # weak references to the parameters, in the model's order
-        self.key: tuple = ()
+        self.fqns: list[str] = []  # ... their names
+        self.key: tuple = ()  # ... (requires_grad, dtype) of each when last seen
+        self.dtypes_checked: set[tuple] = set()  # dtype tuples compared with the plan's fingerprint
         self.said: set = set()
         self.root: type | None = None  # the model's class when collected (fully_shard changes it)
 
@@ -52,40 +54,47 @@ class ParamWatch:
         if refs is None or type(model) is not self.root:
             self._collect(model)
             return
-        params = [r() for r in refs]
-        if None in params:  # parameters replaced (and freed) since: look again
+        try:
+            key = tuple(_KEY(r()) for r in refs)
+        except AttributeError:  # a parameter replaced (and freed) since: look again
             self._collect(model)
             return
-        key = tuple(map(_KEY, params))
         if key != self.key:
             self.key = key
             self._compare(model)
 
     def _collect(self, model: nn.Module) -> None:
         self.root = type(model)
-        params = list(model.parameters())
-        if _fsdp(model) or any(_sharded(p) for p in params):  # FSDP2 swaps parameters in and out: not watched
+        named = list(model.named_parameters())
+        if _fsdp(model) or any(_sharded(p) for _, p in named):  # FSDP2 swaps parameters in and out: not watched
             self.refs, self.key = [], ()
             return
-        self.refs = [weakref.ref(p) for p in params]
-        self.key = tuple(map(_KEY, params))
+        self.refs = [weakref.ref(p) for _, p in named]
+        self.fqns = [fqn for fqn, _ in named]
+        self.key = tuple(_KEY(p) for _, p in named)
         self._compare(model)
 
     def _compare(self, model: nn.Module) -> None:
-        named = list(model.named_parameters())
+        """The parameters as last seen (``self.key``) against the plan: names
+        from the list collected, the fingerprint once per distinct dtypes
+        (a loop toggling ``requires_grad`` each step pays neither)."""
         frozen = set(self.plan.frozen)
-        trained = [(fqn, p) for fqn, p in named if p.requires_grad and fqn in frozen]
+        trained = [fqn for fqn, (grad, _) in zip(self.fqns, self.key) if grad and fqn in frozen]
         if trained and "unfrozen" not in self.said:
             self.said.add("unfrozen")
-            size = sum(p.numel() * p.element_size() for _, p in trained)
+            size = sum(p.numel() * p.element_size() for fqn, p in model.named_parameters() if fqn in set(trained))
             warn_user(
                 f"autosac: {len(trained)} parameters the plan for {self.plan.model} was made with frozen now require "
-                f"gradients ({trained[0][0]!r}{', ...' if len(trained) > 1 else ''}; {format_bytes(size)}): their "
+                f"gradients ({trained[0]!r}{', ...' if len(trained) > 1 else ''}; {format_bytes(size)}): their "
                 "gradients and optimizer state are beyond its budget -- re-plan with them trainable "
                 "(autosac.solve after requires_grad_(True))"
             )
-        if "dtype" not in self.said and model_fingerprint(model) != self.plan.fingerprint:
-            changed = sorted({str(p.dtype).removeprefix("torch.") for _, p in named})
+        dtypes = tuple(dtype for _, dtype in self.key)
+        if "dtype" in self.said or dtypes in self.dtypes_checked:
+            return
+        self.dtypes_checked.add(dtypes)
+        if model_fingerprint(model) != self.plan.fingerprint:
+            changed = sorted({str(d).removeprefix("torch.") for d in dtypes})
             self.said.add("dtype")
             warn_user(
                 f"autosac: the parameters of {self.plan.model} changed since the plan was made (now "
@@ -93,10 +102,7 @@ class ParamWatch:
                 "budget hold only for the traced model -- re-plan for the model as it is now"
             )
 
-    def __deepcopy__(self, memo):  # a copy watches its own parameters: collected again at its first forward
-        return ParamWatch(self.plan)
-
-    def __reduce__(self):  # weak references do not pickle: the loaded model collects its own
+    def __reduce__(self):  # a copy or a loaded model collects its own parameters (weak references do not pickle)
         return (ParamWatch, (self.plan,))
 
 

@@ -121,6 +121,8 @@ class RegionCall:
         self.shapes: dict[int, object] = {}  # call index -> its outputs' shapes, where the replay may skip it
         self.differs: str | None = None  # how the call first departed from the plan
         self.hint = _OTHER_INPUTS  # (the likely cause, the fix) said with it
+        # an autocast region keeping weight casts is open (read here: inside an op, autocast's keys are off)
+        self.autocast_caching = _autocast_caching()
         self.kind = ""  # "ops" or "flow": which way it departed
         self.unsafe: str | None = None  # a cached output written after a re-run op read it
         self.cached: set[int] = set()  # storages whose latest value the cache holds
@@ -183,7 +185,7 @@ class RegionCall:
             self._depart("ops", f"ran more op calls than traced ({name} as call #{i})")
         elif calls[i][0] != name:
             self._depart("ops", f"ran {name} as op call #{i} where the trace ran {calls[i][0]}")
-            if calls[i][0] == "_to_copy" and not calls[i][1] and torch.is_autocast_cache_enabled():
+            if calls[i][0] == "_to_copy" and not calls[i][1] and self.autocast_caching:
                 self.hint = _CACHED_CASTS
         else:
             self._depart("flow", f"ran op call #{i} ({name}) on other results than in the trace")
@@ -413,6 +415,11 @@ _OTHER_INPUTS = ("other inputs, shapes or mode than traced?", "re-plan with the 
 _CACHED_CASTS = ("the weights' casts were in autocast's cache: a forward after another in one torch.autocast "
                  "region reuses the first one's casts, where the traced forward made them",
                  "enter torch.autocast once per forward (around forward and loss) to keep every call as planned")
+
+
+def _autocast_caching() -> bool:
+    """Whether an autocast region is open here and keeps its weight casts."""
+    return torch.is_autocast_cache_enabled() and any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
 
 
 def _autocast_weight_cast(args) -> bool:

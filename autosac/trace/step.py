@@ -226,7 +226,7 @@ def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autoc
     params = track_params(model, opt, recorder)
     if loop.grads_alive:
         hold_gradients(model, recorder)
-    hold_ddp_buckets(model, recorder, grads_held=bool(loop.grads_alive))
+    bucket_views = hold_ddp_buckets(model, recorder, grads_held=bool(loop.grads_alive))
     buffer_bytes = track_new(recorder, {id(b): b for b in model.buffers()}.values(), "buffer")
     input_bytes = track_new(recorder, tree_leaves((args, kwargs)), "input")
     input_bytes += hold_batches_ahead(recorder, input_bytes, loop.batches_ahead)
@@ -247,7 +247,7 @@ def _trace_once(model, args, kwargs, loss_fn, optimizer, cost_model, mode, autoc
         else:
             del out
         if loop.grads_alive == "forward":
-            drop_gradients(model)
+            drop_gradients(model, keep=bucket_views)
         _backward_and_update(model, loss, opt, recorder)
     finally:
         for h in hooks:

@@ -44,15 +44,16 @@ def hold_gradients(model: nn.Module, recorder: StepRecorder) -> None:
             recorder.track(p.grad, "grad")
 
 
-def hold_ddp_buckets(model: nn.Module, recorder: StepRecorder, grads_held: bool) -> int:
+def hold_ddp_buckets(model: nn.Module, recorder: StepRecorder, grads_held: bool) -> set[int]:
     """``DistributedDataParallel``'s gradient buckets, for each DDP in the
     model: a flat copy of the gradients of the parameters it reduces, made when
-    DDP is built and alive through every step.  With
-    ``gradient_as_bucket_view=True`` the gradients are views of them, alive
-    from the step's start (as :func:`hold_gradients` holds them; already so
-    where ``grads_held``); otherwise one record of their bytes besides the
-    gradients autograd makes.  Returns the bytes added."""
-    added = 0
+    DDP is built and alive through every step, as one record of their bytes
+    besides the gradients autograd makes.  With ``gradient_as_bucket_view=True``
+    the gradients are views of them: alive from the step's start (as
+    :func:`hold_gradients` holds them; already so where ``grads_held``) and
+    never freed -- returns the ids of those parameters, whose gradients
+    :func:`drop_gradients` keeps."""
+    views: set[int] = set()
     for ddp in model.modules():
         if not isinstance(ddp, nn.parallel.DistributedDataParallel):
             continue
@@ -62,13 +63,13 @@ def hold_ddp_buckets(model: nn.Module, recorder: StepRecorder, grads_held: bool)
             for p in reduced.values():
                 if p.grad is None and not grads_held:
                     p.grad = torch.zeros_like(p)
-                    added += recorder.rec.storages[recorder.track(p.grad, "grad")].nbytes
+                    recorder.track(p.grad, "grad")
+            views.update(reduced)
             continue
         nbytes = sum(p.numel() * p.element_size() for p in reduced.values())
         if nbytes:
             recorder.rec.storages.append(StorageRecord(nbytes, "grad", -1))
-            added += nbytes
-    return added
+    return views
 
 
 def hold_batches_ahead(recorder: StepRecorder, input_bytes: int, n: int) -> int:
@@ -81,11 +82,13 @@ def hold_batches_ahead(recorder: StepRecorder, input_bytes: int, n: int) -> int:
     return n * input_bytes
 
 
-def drop_gradients(model: nn.Module) -> None:
+def drop_gradients(model: nn.Module, keep: set[int] = frozenset()) -> None:
     """``zero_grad()`` between the loss and the backward: the gradients go
-    (the recorder marks each freed at the current op)."""
+    (the recorder marks each freed at the current op), but those of the
+    parameters in ``keep`` (views of DDP's buckets, which stay)."""
     for p in model.parameters():
-        p.grad = None
+        if id(p) not in keep:
+            p.grad = None
 
 
 def track_new(recorder: StepRecorder, tensors, kind: str) -> int:
