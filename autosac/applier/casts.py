@@ -68,14 +68,6 @@ class _Cast(NamedTuple):
     offset: int
 
 
-class _Saved(NamedTuple):
-    """Any other saved tensor, packed: it, and its version then (autograd checks
-    the version of what it saves, but not through saved-tensor hooks: checked here)."""
-
-    tensor: torch.Tensor
-    version: int
-
-
 def pack_cast(t: torch.Tensor, forward: object = None):
     """A parameter's cast as what re-makes it; any other activation as an alias
     without its graph: kept as ``t`` itself, an output its own node saves
@@ -100,10 +92,10 @@ def pack_cast(t: torch.Tensor, forward: object = None):
         if param is not None and _fresh(t, forward):
             return _Cast(param, param._version, t.dtype, t.size(), t.stride(), t.storage_offset())
         if not torch._C._len_torch_dispatch_stack() and not _len_torch_dispatch_stack_pre_dispatch():
-            return _Saved(t.detach(), version)  # no mode to hide it from: a microsecond where disabling modes takes four
+            return (t.detach(), version)  # no mode to hide it from: a microsecond where disabling modes takes four
         with _disable_current_modes():
-            return _Saved(t.detach(), version)
-    return _Saved(t, version)
+            return (t.detach(), version)
+    return (t, version)
 
 
 def unpack_cast(packed):
@@ -118,10 +110,11 @@ def unpack_cast(packed):
             without the hook; for a parameter, an optimizer step between a
             forward and its backward).
     """
-    if isinstance(packed, _Saved):
-        if packed.tensor._version != packed.version:
-            raise RuntimeError(_modified(packed.tensor, packed.version, "a tensor saved for backward"))
-        return packed.tensor
+    if type(packed) is tuple:  # (tensor, its version when saved): a plain tuple, the cheapest to make
+        tensor, version = packed
+        if tensor._version != version:
+            raise RuntimeError(_modified(tensor, version, "a tensor saved for backward"))
+        return tensor
     if isinstance(packed, _Cast):
         if packed.param._version != packed.version:
             raise RuntimeError(_modified(packed.param, packed.version, "a parameter whose autocast copy backward "

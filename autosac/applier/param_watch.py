@@ -9,8 +9,10 @@ budget has no room for (1.5-2.2x the budget in a new-user trial).  Each is
 said once, at the first training forward that runs so.
 
 The check per forward compares one tuple of ``(requires_grad, dtype)`` over the
-parameters, read through weak references (about 0.1 us a parameter); the names
-are looked up only when it changes.
+parameters, read through weak references (0.2-0.4 us a parameter on a 2-core
+VM, ``benchmarks/bench_loop_checks.py``: each attribute of a ``Parameter`` is
+read through its torch-function check); names and the fingerprint are read
+only when it changes.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from autosac.core.plan import Plan
 from autosac.core.userwarn import warn_user
 
 _KEY = attrgetter("requires_grad", "dtype")
+_DEREF = weakref.ref.__call__
 
 
 class ParamWatch:
@@ -55,7 +58,7 @@ class ParamWatch:
             self._collect(model)
             return
         try:
-            key = tuple(_KEY(r()) for r in refs)
+            key = tuple(map(_KEY, map(_DEREF, refs)))
         except AttributeError:  # a parameter replaced (and freed) since: look again
             self._collect(model)
             return
