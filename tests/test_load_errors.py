@@ -303,6 +303,21 @@ def test_bad_host_figures_are_remeasured_not_raised(tmp_path, monkeypatch):
     assert host.calibrate() == measured and calls == [1]
 
 
+def test_a_signed_host_figure_of_an_earlier_calibration_version_is_no_bad_entry(tmp_path):
+    """After an upgrade bumped the calibration version, the file's earlier
+    negative ``backward_untimed_us`` (a signed figure) was read as a bad entry:
+    a repair warning at the first profile of every upgraded install (new-user trial)."""
+    from autosac.trace.timings import _read
+
+    path = tmp_path / "cpu-timings.json"
+    path.write_text(json.dumps({"host-costs-v1:backward_untimed_us": -0.223,
+                                "host-costs-v1:history:0:backward_untimed_us": -0.1, "mm|x": 1.5}))
+    assert _read(path) == ({"host-costs-v1:backward_untimed_us": -0.223,
+                            "host-costs-v1:history:0:backward_untimed_us": -0.1, "mm|x": 1.5}, "")
+    path.write_text(json.dumps({"host-costs-v1:op_us": -1.0, "mm|x": -2.0}))
+    assert "holds 2 entries" in _read(path)[1]
+
+
 def test_host_costs_refuse_infinity():
     with pytest.raises(ValueError, match="op_us must be a number of microseconds, got inf"):
         HostCosts(op_us=float("inf"))

@@ -49,6 +49,14 @@ SIGNED_CACHE_KEYS = frozenset(
     + [f"{HISTORY_KEY}{i}:{f}" for f in _SIGNED for i in range(HISTORY_KEPT)])
 
 
+def signed_cache_key(key: str) -> bool:
+    """Whether the timing cache's ``key`` holds a figure that may be negative:
+    one of :data:`SIGNED_CACHE_KEYS`, or the same figure of an earlier
+    calibration version (a file written before an upgrade keeps them; read as
+    bad, each upgrade warned of a repair)."""
+    return key in SIGNED_CACHE_KEYS or (key.startswith("host-costs-v") and key.rsplit(":", 1)[-1] in _SIGNED)
+
+
 @dataclass(frozen=True)
 class HostCosts:
     """Host time in microseconds (see the module's docstring).

@@ -12,7 +12,7 @@ An entry that is not a finite number >= 0 (a hand edit, a disk error) is
 dropped when the file is read, with one warning naming the file: its op is
 timed again and the file rewritten.  So is a file that is not a JSON object of
 numbers.  (The host figures :mod:`autosac.tools.calibrate` keeps here may be negative
-where :data:`autosac.core.host.SIGNED_CACHE_KEYS` says so.)
+where :func:`autosac.core.host.signed_cache_key` says so, of any calibration version.)
 
 On a busy machine (:mod:`autosac.core.noise`): an op timed while its samples did
 not settle is kept :data:`autosac.core.noise.NOISY_LIFETIME_S` seconds (marked
@@ -261,8 +261,8 @@ def _read(path: Path | None) -> tuple[dict[str, float], str]:
 
 
 def _valid(key: str, value) -> bool:
-    from autosac.core.host import SIGNED_CACHE_KEYS
+    from autosac.core.host import signed_cache_key
 
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return False
-    return value >= 0 or key in SIGNED_CACHE_KEYS
+    return value >= 0 or signed_cache_key(key)
