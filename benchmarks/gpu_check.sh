@@ -35,6 +35,8 @@
 #   gpu_partitioner_peaks.md  the compiled step under activation_memory_budget 1.0: traced peak
 #                             (what a partitioner plan predicts) against measured
 #   gpu_overhead.txt          plans against torch.utils.checkpoint and torch's SAC at their peaks
+#   gpu_time_model.md         issue 32's GPU time model: launches against kernels (wall, host, GPU busy), the
+#                             plain path's cost per checkpointed call, HF's gradient_checkpointing against plans
 #   gpu_hf_gpt2.txt           transformers GPT-2: autosac's plan against its own gradient checkpointing
 #   gpu_peak_snapshot_70.txt  the 16-layer Llama planned at 70 %: what the allocator holds at the step's peak,
 #                             by the source line that allocated it
@@ -97,6 +99,7 @@ if [ "${PART:-}" = compile3 ]; then
   step gpu_compile_llama 480 python3 benchmarks/gpu_compile.py "$DIR/gpu_compile_llama.md" --quick --models llama
 fi
 if part rest; then
+  step gpu_time_model 150 python3 benchmarks/gpu_time_model.py "$DIR/gpu_time_model.md"
   step gpu_hf_gpt2 60 sh -c "python3 benchmarks/gpu_hf_gpt2.py > '$DIR/gpu_hf_gpt2.txt'"
   if [ "${FULL:-0}" = 1 ]; then
     step gpu_verify 600 python3 benchmarks/gpu_verify.py "$DIR/gpu_verify.md"

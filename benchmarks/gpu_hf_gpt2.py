@@ -73,7 +73,7 @@ class _Capture:
             pystate._KINDS[RegionPolicy] = pystate._SKIP
             pystate._KINDS[functools.partial] = pystate._SKIP
         elif self.mode == "none":
-            region.capture = lambda module, args, kwargs: pystate.State([], [])
+            region.capture = lambda module, args, kwargs, host_rng=False: pystate.State([], [])
 
     def __exit__(self, *exc):
         region.capture = self.saved
@@ -120,10 +120,10 @@ def _capture_us(model, batch, device) -> float:
     seen = {}
     original = region.capture
 
-    def spy(module, args, kwargs):
+    def spy(module, args, kwargs, host_rng=False):
         if module is blk:
             seen.update(args=args, kwargs=kwargs)
-        return original(module, args, kwargs)
+        return original(module, args, kwargs, host_rng)
 
     region.capture = spy
     try:

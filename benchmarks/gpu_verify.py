@@ -4,6 +4,7 @@ measured peak and step time; check PyTorch's SDPA backend choice against
 autosac's reproduction of its rules.
 
     python benchmarks/gpu_verify.py results.md
+    python benchmarks/gpu_verify.py results.md gpt2    # one model only
 
 Peaks are ``torch.cuda.max_memory_allocated`` over one steady-state step
 (reset before it); step times are CUDA-event medians.  Each planned step is
@@ -49,6 +50,11 @@ MODELS = [
 BUDGETS = ("70%", "50%", "least")
 INTERLEAVED = {"gpt2"}  # small enough for every variant to stay on the GPU at once
 ROUNDS = 15
+
+
+def gpu_target() -> str:
+    """The device table's entry for this machine's GPU: ``h200`` on an H200, else ``h100``."""
+    return "h200" if "H200" in torch.cuda.get_device_name() else "h100"
 
 
 def _one_step(model, idx, seed=0):
@@ -131,7 +137,7 @@ def _release():
 
 def verify_model(label, name, cfg, out):
     meta, idx_meta = build_model(name, device="meta", **cfg)
-    stats = autosac.profile(meta, idx_meta, target="h100", autocast=BF16)
+    stats = autosac.profile(meta, idx_meta, target=gpu_target(), autocast=BF16)
     problem = build_problem(stats)
     torch.manual_seed(0)
     base_model, idx = build_model(name, device="cuda", **cfg)
@@ -261,14 +267,16 @@ def check_sdpa(out):
     out.append(f"\n{n_same} of {n} choices agree.\n")
 
 
-def main(path):
-    out = [f"## autosac on a GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}\n"]
+def main(path, only=None):
+    out = [f"## autosac on a GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, target {gpu_target()}\n"]
     try:
         check_sdpa(out)
     except Exception:
         traceback.print_exc()
     print("\n".join(out), flush=True)
     for label, name, cfg in MODELS:
+        if only and name not in only:
+            continue
         try:
             verify_model(label, name, cfg, out)
         except Exception:
@@ -281,4 +289,5 @@ def main(path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    # gpu_verify.py OUT [MODEL,...]: the models named only (gpt2, llama-7b)
+    main(sys.argv[1], sys.argv[2].split(",") if len(sys.argv) > 2 else None)
