@@ -69,11 +69,12 @@ def _capture_mode(mode: str) -> None:
     pystate._KINDS.pop(RegionPolicy, None)
     pystate._KINDS.pop(functools.partial, None)
     region.capture = pystate.capture
+    pystate._LAYOUTS.clear()  # layouts sorted under the kinds patched before
     if mode == "own":
         pystate._KINDS[RegionPolicy] = pystate._SKIP
         pystate._KINDS[functools.partial] = pystate._SKIP
     elif mode == "none":
-        region.capture = lambda module, args, kwargs: pystate.State([], [])
+        region.capture = lambda module, args, kwargs, host_rng=False: pystate.State([], [])
 
 
 def main() -> None:

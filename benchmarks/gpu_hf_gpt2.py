@@ -70,6 +70,7 @@ class _Capture:
     def __enter__(self):
         self.saved = region.capture
         if self.mode == "own":
+            pystate._LAYOUTS.clear()
             pystate._KINDS[RegionPolicy] = pystate._SKIP
             pystate._KINDS[functools.partial] = pystate._SKIP
         elif self.mode == "none":
@@ -77,6 +78,8 @@ class _Capture:
 
     def __exit__(self, *exc):
         region.capture = self.saved
+        if self.mode == "own":
+            pystate._LAYOUTS.clear()  # layouts sorted under the patched kinds
         pystate._KINDS.pop(RegionPolicy, None)
         pystate._KINDS.pop(functools.partial, None)
 

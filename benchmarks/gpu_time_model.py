@@ -22,7 +22,9 @@ warm-up step then one timed step each, in turn; medians over rounds):
    plan at its peak on GPT-2** (1.057x on an H100, 2026-11-25)?  transformers
    GPT-2 (batch 8, seq 1024): unplanned, HF's switch, autosac planned at HF's
    measured peak, autosac's least plan and that plan with no Python-state
-   capture, with the built-in gpt2 (unplanned and least) beside them.
+   capture, with the built-in gpt2 (unplanned and least) beside them.  Per
+   variant also the time one step spends in Python's garbage collector and in
+   autosac's state captures (timed in place).
 
     python benchmarks/gpu_time_model.py out.md            # CUDA, about a minute and a half
     python benchmarks/gpu_time_model.py out.md --smoke    # tiny models on the CPU: checks the script runs
@@ -31,6 +33,7 @@ warm-up step then one timed step each, in turn; medians over rounds):
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -138,12 +141,47 @@ def _gpu_busy_ms(variant, device) -> tuple[float, int]:
     return busy / 1e3, len(spans)
 
 
+def _host_parts(variant, device) -> tuple[float, float, int]:
+    """Over one step: ms in Python's garbage collector, ms in autosac's state
+    captures (the forward's, timed in place) and how many there were."""
+    from autosac.applier import region
+
+    gc_ms, started, cap = [0.0], [0.0], [0.0, 0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            gc_ms[0] += (time.perf_counter() - started[0]) * 1e3
+
+    inner = region.capture
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            cap[0] += (time.perf_counter() - t) * 1e3
+            cap[1] += 1
+
+    _sync(device)
+    gc.callbacks.append(on_gc)
+    region.capture = timed
+    try:
+        variant.step()
+    finally:
+        region.capture = inner
+        gc.callbacks.remove(on_gc)
+    _sync(device)
+    return gc_ms[0], cap[0], cap[1]
+
+
 def _table(variants: dict, device: str, out: list, base: str) -> dict:
     times = _rounds(variants, device)
     out.append(f"\n{ROUNDS} interleaved rounds; overhead: the median of each round's ratio to `{base}`.\n")
     out.append("| variant | predicted overhead | measured overhead | wall | host | GPU busy (kernels) | "
-               "host + GPU | overlap | peak |")
-    out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+               "host + GPU | overlap | peak | in GC | in state capture (calls) |")
+    out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = {}
     for label, v in variants.items():
         walls, hosts = times[label]
@@ -152,9 +190,10 @@ def _table(variants: dict, device: str, out: list, base: str) -> dict:
         ratio = statistics.median(a / b - 1 for a, b in zip(walls, times[base][0]))
         overlap = (host + gpu - wall) / min(host, gpu) if device == "cuda" and min(host, gpu) > 0 else float("nan")
         peak = _peak_mib(v, device)
+        gc_ms, cap_ms, caps = _host_parts(v, device)
         pred = "-" if v.predicted is None else f"{v.predicted:+.1%}"
         out.append(f"| {label} | {pred} | {ratio:+.1%} | {wall:.2f} ms | {host:.2f} ms | {gpu:.2f} ms ({kernels}) | "
-                   f"{host + gpu:.2f} ms | {overlap:.0%} | {peak:.0f} MiB |")
+                   f"{host + gpu:.2f} ms | {overlap:.0%} | {peak:.0f} MiB | {gc_ms:.2f} ms | {cap_ms:.2f} ms ({caps}) |")
         rows[label] = dict(wall=wall, host=host, gpu=gpu, ratio=ratio)
     print("\n".join(out[-len(variants) - 3:]), flush=True)
     return rows

@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
-CACHE_KEY = "host-costs-v32"  # bump when the micro-benchmark changes (v12: a large size too, autosac.core.hostsize;
+CACHE_KEY = "host-costs-v33"  # bump when the micro-benchmark changes (v12: a large size too, autosac.core.hostsize;
 # v13: cold_read_us_per_mib, autosac.core.coldread; v14: cast_hook_us; v15: figures as medians of per-round figures;
 # v16: first_call_us; v17: call_gap_us in its place, checkpoint_call_us and saved_tensor_us at no gap;
 # state_item_us; v18: call_gap_us in the rounds, the models' op timings taken anew, medians over noisy calibrations;
@@ -30,7 +30,8 @@ CACHE_KEY = "host-costs-v32"  # bump when the micro-benchmark changes (v12: a la
 # v29: the large model's backward kernels timed in each round; an op's per-MiB extra capped at the large
 # calibration's largest op, largest_op_bytes, not at its typical one;
 # v30: ops on an expanded input (a sum's gradient) timed, not priced by the roofline, autosac.trace.costs.real_inputs;
-# v31: host_rng_us; v32: the cast hook checks saved tensors' versions, cast_hook_us measures it)
+# v31: host_rng_us; v32: the cast hook checks saved tensors' versions, cast_hook_us measures it;
+# v33: the state capture sorts a table's values once per layout, autosac.core.pystate; state_item_us measures it)
 _FIELDS = ("op_us", "checkpoint_call_us", "saved_tensor_us", "selective_op_us", "untimed_op_us", "backward_op_us",
            "backward_untimed_us", "small_op_bytes", "large_op_bytes", "largest_op_bytes", "untimed_us_per_mib", "backward_untimed_us_per_mib",
            "selective_us_per_mib", "cold_read_us_per_mib", "cast_hook_us", "cast_remake_us", "call_gap_us",

@@ -57,16 +57,18 @@ class State:
         time (and the host generators, where captured, their states)."""
         if self._rng is not None:
             self._rng.install()
-        for obj in self._empty:
-            if obj:
-                obj.clear()
+        if any(self._empty):  # (a C-level pass: most calls find them all still empty)
+            for obj in self._empty:
+                if obj:
+                    obj.clear()
         for obj, copy in self._saved:
             if isinstance(obj, list):
                 obj[:] = copy
             else:
                 target = obj if isinstance(obj, dict) else obj.__dict__
-                # by identity, in C (values compared in order: a reordered dict is rewritten, as it should be)
-                if target.keys() != copy.keys() or any(map(operator.is_not, target.values(), copy.values())):
+                # keys and values by identity, in order, in C (a reordered dict is rewritten, as it should be)
+                if len(target) != len(copy) or any(map(operator.is_not, target, copy)) \
+                        or any(map(operator.is_not, target.values(), copy.values())):
                     target.clear()
                     target.update(copy)
 
@@ -90,9 +92,12 @@ class State:
     def recapture(self) -> State:
         """The same containers' contents as they are now."""
         saved = [(obj, _contents(obj)) for obj, _ in self._saved]
-        saved.extend((obj, _contents(obj)) for obj in self._empty if obj)
+        empty = self._empty
+        if any(empty):
+            saved.extend((obj, _contents(obj)) for obj in empty if obj)
+            empty = [obj for obj in empty if not obj]
         rng = None if self._rng is None else HostRng.now(self._rng.generators())
-        return State(saved, [obj for obj in self._empty if not obj], rng)
+        return State(saved, empty, rng)
 
 
 def capture(module: nn.Module, args: tuple, kwargs: dict, host_rng: bool = False) -> State:
@@ -113,14 +118,15 @@ def capture(module: nn.Module, args: tuple, kwargs: dict, host_rng: bool = False
     empty: list = []
     seen: set[int] = set()
     todo: list[object] = []
-    for m in module.modules():
-        if id(m) in seen:
+    stack = [module]
+    while stack:  # module.modules(), pre-order, without its generators' cost
+        m = stack.pop()
+        if m is None or id(m) in seen:
             continue
         seen.add(id(m))
         saved.append((m, _contents(m)))
-        # children are captured on their own; the parameter table is left alone
-        # (FSDP2 re-binds unsharded parameters there around each use)
-        todo.extend(v for k, v in m.__dict__.items() if k not in _MODULE_TABLES)
+        _table_values(m.__dict__, todo, empty, module=True)
+        stack.extend(reversed(m._modules.values()))
     todo.extend((*args, *kwargs.values()))
     todo.reverse()  # walk in order: the first objects found are the first captured
     others = 0
@@ -144,13 +150,69 @@ def capture(module: nn.Module, args: tuple, kwargs: dict, host_rng: bool = False
             items = list(obj if isinstance(obj, list) else obj.values())
         elif kind is _TUPLE:
             items = list(obj)
-        elif isinstance(getattr(obj, "__dict__", None), dict):
-            saved.append((obj, _contents(obj)))
-            items = [] if kind is _MODULE else list(obj.__dict__.values())
+        elif isinstance(table := getattr(obj, "__dict__", None), dict):
+            saved.append((obj, table.copy()))
+            if kind is not _MODULE:
+                _table_values(table, todo, empty, module=False)
+            continue
         else:
             items = []
         todo.extend(reversed(items))
     return State(saved, empty, HostRng.now(generators.values()) if host_rng else None)
+
+
+def _table_values(table: dict, todo: list, empty: list, module: bool) -> None:
+    """An object's attribute values for :func:`capture` to walk next, onto
+    ``todo``; its empty plain containers (most of a module's hook tables)
+    straight onto ``empty`` and its atoms (flags, numbers, strings) left out,
+    as the walk would treat them.  A ``module``'s children are captured on
+    their own and its parameter table is left alone (FSDP2 re-binds unsharded
+    parameters there around each use).  Which values are which is decided once
+    per layout (keys and value types), so a call costs a few C-level passes
+    rather than a Python step per value."""
+    values = tuple(table.values())
+    key = (module, tuple(table), tuple(map(type, values)))
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        if len(_LAYOUTS) >= _MAX_LAYOUTS:
+            _LAYOUTS.clear()
+        layout = _LAYOUTS[key] = _Layout(*key)
+    plain = layout.plain(values)
+    if any(plain):  # a hook table in use, a filled list: walked as any container
+        empty.extend(p for p in plain if not p)
+        walked = [p for p in plain if p] + list(layout.rest(values))
+    else:
+        empty.extend(plain)
+        walked = layout.rest(values)
+    # in order: a module's are reversed with the rest of capture's list, an object's are next
+    todo.extend(walked if module else reversed(walked))
+
+
+class _Layout:
+    """Where an attribute table's plain containers and its other non-atom values sit."""
+
+    def __init__(self, module: bool, keys: tuple, kinds: tuple) -> None:
+        plain, rest = [], []
+        for i, (k, t) in enumerate(zip(keys, kinds)):
+            kind = _KINDS.get(t) or _kind_of(t)
+            if (module and k in _MODULE_TABLES) or (kind is _SKIP and t is not torch.Generator):
+                continue
+            (plain if kind is _PLAIN else rest).append(i)
+        self.plain, self.rest = _getter(plain), _getter(rest)
+
+
+def _getter(positions: list):
+    """A C-level picker of ``positions`` from a tuple, always returning a tuple."""
+    if not positions:
+        return lambda values: ()
+    if len(positions) == 1:
+        i = positions[0]
+        return lambda values: (values[i],)
+    return operator.itemgetter(*positions)
+
+
+_LAYOUTS: dict[tuple, _Layout] = {}
+_MAX_LAYOUTS = 4096
 
 
 # What capture does with an object, decided once per type (a dict lookup per
@@ -170,6 +232,8 @@ def _kind_of(kind: type) -> str:
         found = _TUPLE
     elif issubclass(kind, nn.Module):
         found = _MODULE
+    elif not any("__dict__" in vars(k) for k in kind.__mro__):
+        found = _SKIP  # instances have no attribute table (a set, a deque, slots): nothing capture could copy
     elif (kind.__module__ or "").split(".")[0] == "autosac":
         found = _SKIP  # autosac's own objects on a module (the applier's policy, forward, hooks): nothing a forward changes
     else:
