@@ -288,23 +288,22 @@ def _checkpointed_forward(self, own, policy, *args, **kwargs):
     # it off process-wide is that setting overridden, for this call (it changes no result)
     early = set_checkpoint_early_stop(True) if _checkpoint_module._enable_checkpoint_early_stop is False \
         else contextlib.nullcontext()
-    with early, _func_transforms_named():
-        out = checkpoint(call.wrap(original, args, kwargs), *args, use_reentrant=False, preserve_rng_state=True,
-                         context_fn=call.contexts)
+    try:  # (a try, not a context manager: this runs at every checkpointed call)
+        with early:
+            out = checkpoint(call.wrap(original, args, kwargs), *args, use_reentrant=False, preserve_rng_state=True,
+                             context_fn=call.contexts)
+    except RuntimeError as e:
+        _name_func_transforms(e)
+        raise
     call.finish()
     return out
 
 
-@contextlib.contextmanager
-def _func_transforms_named():
+def _name_func_transforms(e: RuntimeError) -> None:
     """torch.func's ``grad``, ``vjp``, ``jacrev`` refuse saved-tensor hooks,
-    which checkpointing runs on, in a message that names neither: said in one
-    line with the way out."""
-    try:
-        yield
-    except RuntimeError as e:
-        if "torch.func" not in str(e) or "saved tensor hooks" not in str(e):
-            raise
+    which checkpointing runs on, in a message that names neither: where ``e``
+    is that refusal, raise it again in one line with the way out."""
+    if "torch.func" in str(e) and "saved tensor hooks" in str(e):
         raise RuntimeError(
             "autosac: torch.func transforms (grad, vjp, jacrev, hessian) cannot differentiate a model with a plan "
             "applied -- checkpointing runs on saved-tensor hooks, which torch.func does not support: call "
@@ -360,8 +359,11 @@ def _enter_model(module, args, kwargs):
     ctx = torch.autograd.graph.saved_tensors_hooks(functools.partial(pack_cast, forward=object()),
                                                    unpack_cast) if casts else None
     if ctx is not None:
-        with _func_transforms_named():
+        try:
             ctx.__enter__()
+        except RuntimeError as e:
+            _name_func_transforms(e)
+            raise
     module.__dict__.setdefault(_CAST_CTX, []).append(ctx)
     return None
 

@@ -85,7 +85,8 @@ class ParamWatch:
         trained = [fqn for fqn, (grad, _) in zip(self.fqns, self.key) if grad and fqn in frozen]
         if trained and "unfrozen" not in self.said:
             self.said.add("unfrozen")
-            size = sum(p.numel() * p.element_size() for fqn, p in model.named_parameters() if fqn in set(trained))
+            names = set(trained)
+            size = sum(p.numel() * p.element_size() for fqn, p in model.named_parameters() if fqn in names)
             warn_user(
                 f"autosac: {len(trained)} parameters the plan for {self.plan.model} was made with frozen now require "
                 f"gradients ({trained[0]!r}{', ...' if len(trained) > 1 else ''}; {format_bytes(size)}): their "

@@ -121,8 +121,9 @@ class RegionCall:
         self.shapes: dict[int, object] = {}  # call index -> its outputs' shapes, where the replay may skip it
         self.differs: str | None = None  # how the call first departed from the plan
         self.hint = _OTHER_INPUTS  # (the likely cause, the fix) said with it
-        # an autocast region keeping weight casts is open (read here: inside an op, autocast's keys are off)
-        self.autocast_caching = _autocast_caching()
+        # an autocast region keeping weight casts is open (read by contexts(), before any op: inside an op,
+        # autocast's keys are off); a plain call never asks
+        self.autocast_caching = False
         self.kind = ""  # "ops" or "flow": which way it departed
         self.unsafe: str | None = None  # a cached output written after a re-run op read it
         self.cached: set[int] = set()  # storages whose latest value the cache holds
@@ -295,6 +296,7 @@ class RegionCall:
         mode each way, :class:`_Forward` and :class:`_Replay`."""
         if self.policy.plain:
             return contextlib.nullcontext(), _StateSwap(self)
+        self.autocast_caching = _autocast_caching()
         return _Forward(self), _Replay(self)
 
     def wrap(self, fn, args: tuple, kwargs: dict):
