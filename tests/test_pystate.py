@@ -155,3 +155,20 @@ def test_a_modules_own_generator_is_found_under_a_known_layout():
     for _ in range(2):  # the second with the layout known
         state = capture(blk, (), {}, host_rng=True)
         assert state._rng.generators() == [blk.gen]
+
+
+def test_swap_in_returns_what_to_put_back():
+    blk = Block(Config())
+    state = capture(blk, (), {})
+    assert state.swap_in() is state  # nothing changed since capture: nothing copied, the state itself goes back
+    blk.config.width = 9  # the forward changed a value
+    blk.cache["k"] = 1  # ... and filled an empty table
+    after = state.swap_in()
+    assert after is not state and blk.config.width == 8 and not blk.cache
+    blk.config.width = 10  # the replay changes it again: putting back restores the forward's result
+    after.install()
+    assert blk.config.width == 9 and blk.cache == {"k": 1}
+    blk.tags_list = [1]
+    state2 = capture(blk, (), {})
+    blk.tags_list.append(2)  # a list's items, by identity
+    assert state2.swap_in() is not state2 and blk.tags_list == [1]

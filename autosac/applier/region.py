@@ -366,8 +366,7 @@ class _Replay(TorchDispatchMode):
             if torch.is_autocast_cache_enabled() else set()
         # outside a backward (Python reading a grad_fn's saved tensor) the graph is kept, and so is the cache
         self.keep = torch._C._autograd._get_current_graph_task_keep_graph()
-        self.after.append(self.call.state.recapture())
-        self.call.state.install()
+        self.after.append(self.call.state.swap_in())
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -453,8 +452,7 @@ class _StateSwap:
 
     def __enter__(self):
         self.call.check_replayable()
-        self.after.append(self.call.state.recapture())
-        self.call.state.install()
+        self.after.append(self.call.state.swap_in())
         return self
 
     def __exit__(self, *exc):

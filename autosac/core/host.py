@@ -31,7 +31,8 @@ CACHE_KEY = "host-costs-v33"  # bump when the micro-benchmark changes (v12: a la
 # calibration's largest op, largest_op_bytes, not at its typical one;
 # v30: ops on an expanded input (a sum's gradient) timed, not priced by the roofline, autosac.trace.costs.real_inputs;
 # v31: host_rng_us; v32: the cast hook checks saved tensors' versions, cast_hook_us measures it;
-# v33: the state capture sorts a table's values once per layout, autosac.core.pystate; state_item_us measures it)
+# v33: the state capture sorts a table's values once per layout and a replay copies nothing where nothing changed
+# (autosac.core.pystate); state_item_us measures both)
 _FIELDS = ("op_us", "checkpoint_call_us", "saved_tensor_us", "selective_op_us", "untimed_op_us", "backward_op_us",
            "backward_untimed_us", "small_op_bytes", "large_op_bytes", "largest_op_bytes", "untimed_us_per_mib", "backward_untimed_us_per_mib",
            "selective_us_per_mib", "cold_read_us_per_mib", "cast_hook_us", "cast_remake_us", "call_gap_us",

@@ -72,6 +72,29 @@ class State:
                     target.clear()
                     target.update(copy)
 
+    def swap_in(self) -> State:
+        """Make every captured object hold this state again; returns the state
+        to install afterwards (what they held).  Where nothing changed since
+        capture (most calls: a forward that leaves its modules as they were)
+        that is this state itself, and nothing is copied."""
+        if self._rng is None and self._unchanged():
+            return self
+        after = self.recapture()
+        self.install()
+        return after
+
+    def _unchanged(self) -> bool:
+        """Whether every captured container holds what it held at capture (by identity, in order, in C)."""
+        if any(self._empty):
+            return False
+        for obj, copy in self._saved:
+            now = obj if isinstance(obj, (list, dict)) else obj.__dict__
+            if len(now) != len(copy) or any(map(operator.is_not, now, copy)):
+                return False  # (a list's items, a table's keys)
+            if not isinstance(obj, list) and any(map(operator.is_not, now.values(), copy.values())):
+                return False
+        return True
+
     def items(self) -> int:
         """How much a checkpointed call handles at each capture, swap and put-back
         of this state: the captured containers and their entries (what

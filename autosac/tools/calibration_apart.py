@@ -71,17 +71,16 @@ def _state_burst_us(region, x: torch.Tensor, repeats: int = 25) -> float:
     """``state_item_us`` in one burst: what a checkpointed call's Python state
     costs per item (:meth:`autosac.core.pystate.State.items`), timed on a
     calibration model's ``region`` -- captured at its forward, captured
-    again and swapped in for the replay, put back after -- ``repeats`` times
-    back to back (warm: the cold part is in the other per-call figures)."""
+    swapped in for the replay as the applier does (:meth:`State.swap_in`),
+    put back after -- ``repeats`` times back to back (warm: the cold part is
+    in the other per-call figures)."""
     from autosac.core.pystate import capture
 
     args: tuple = (x,)
     t = time.thread_time()
     for _ in range(repeats):
         state = capture(region, args, {})
-        after = state.recapture()
-        state.install()
-        after.install()
+        state.swap_in().install()
     return (time.thread_time() - t) / repeats * 1e6 / max(1, state.items())
 
 
