@@ -10,7 +10,9 @@
 #                 and 0.7 (limit 480 s; on an H100, 2026-11-27, 200 s held torch's two rows and none of
 #                 autosac's: each of its compiled fits takes over 140 s);
 #   PART=compile3: the 16-layer Llama at 0.5 (limit 480 s); not yet run on a GPU;
-#   PART=rest:    everything else (limits 540 s; 290 s on a fresh H100, 2026-11-26; 340 s, 2026-11-27).
+#   PART=rest:    everything else (limits 820 s together, more than one 600 s call at worst: split it with STEPS;
+#                 290 s on a fresh H100, 2026-11-26; 340 s, 2026-11-27; on an H200, 2026-11-29, in three calls of
+#                 175-239 s with the calibration each, gpu_time_model 55-58 s, gpu_verify 106-116 s).
 #
 # Unset, PART runs both in one go.  Each step has a time limit; one that runs out is said so in summary.txt,
 # and the others still run.  After every step the results so far are archived under $OUT (when set, as the
