@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_hf_gpt2 import _Capture  # noqa: E402
+from gpu_hf_gpt2 import _Capture, _config, _inputs  # noqa: E402
 from gpu_verify import gpu_target  # noqa: E402
 
 import autosac  # noqa: E402
@@ -290,21 +290,16 @@ def _checkpointed(fn):
 def _hf_variants(device, target, smoke, out):
     import transformers
 
-    size = dict(n_layer=12, n_embd=64, n_head=4, vocab_size=256, n_positions=128) if smoke else \
-        dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
-    cfg = transformers.GPT2Config(**size, attn_implementation="sdpa", use_cache=False)
-    shape = (2, 64) if smoke else (8, 1024)
+    cfg, shape = _config(smoke)  # gpu_hf_gpt2's model and batch
     with torch.device("meta"):
         meta = transformers.GPT2LMHeadModel(cfg).train()
-    ids = torch.randint(0, cfg.vocab_size, shape, device="meta")
-    stats = autosac.profile(meta, {"input_ids": ids, "labels": ids}, loss_fn=lambda o: o.loss, target=target,
+    stats = autosac.profile(meta, _inputs(shape, cfg.vocab_size, "meta"), loss_fn=lambda o: o.loss, target=target,
                             autocast=BF16)
     problem = build_problem(stats)
     least = solve_stats(stats, least_peak(problem, solver="highs")[0], solver="highs", problem=problem)
     torch.manual_seed(0)
     state = transformers.GPT2LMHeadModel(cfg).train().state_dict()
-    ids = torch.randint(0, cfg.vocab_size, shape, device=device)
-    batch = {"input_ids": ids, "labels": ids}
+    batch = _inputs(shape, cfg.vocab_size, device)
 
     def made(plan=None, hf=False):
         m = transformers.GPT2LMHeadModel(cfg).train()

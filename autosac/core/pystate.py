@@ -62,15 +62,14 @@ class State:
                 if obj:
                     obj.clear()
         for obj, copy in self._saved:
+            if _holds(obj, copy):
+                continue
             if isinstance(obj, list):
                 obj[:] = copy
             else:
                 target = obj if isinstance(obj, dict) else obj.__dict__
-                # keys and values by identity, in order, in C (a reordered dict is rewritten, as it should be)
-                if len(target) != len(copy) or any(map(operator.is_not, target, copy)) \
-                        or any(map(operator.is_not, target.values(), copy.values())):
-                    target.clear()
-                    target.update(copy)
+                target.clear()
+                target.update(copy)
 
     def swap_in(self) -> State:
         """Make every captured object hold this state again; returns the state
@@ -84,16 +83,8 @@ class State:
         return after
 
     def _unchanged(self) -> bool:
-        """Whether every captured container holds what it held at capture (by identity, in order, in C)."""
-        if any(self._empty):
-            return False
-        for obj, copy in self._saved:
-            now = obj if isinstance(obj, (list, dict)) else obj.__dict__
-            if len(now) != len(copy) or any(map(operator.is_not, now, copy)):
-                return False  # (a list's items, a table's keys)
-            if not isinstance(obj, list) and any(map(operator.is_not, now.values(), copy.values())):
-                return False
-        return True
+        """Whether every captured container holds what it held at capture."""
+        return not any(self._empty) and all(_holds(obj, copy) for obj, copy in self._saved)
 
     def items(self) -> int:
         """How much a checkpointed call handles at each capture, swap and put-back
@@ -121,6 +112,16 @@ class State:
             empty = [obj for obj in empty if not obj]
         rng = None if self._rng is None else HostRng.now(self._rng.generators())
         return State(saved, empty, rng)
+
+
+def _holds(obj, copy) -> bool:
+    """Whether ``obj`` (a list, a dict, an object's attribute table) holds
+    ``copy``'s items, keys and values by identity, in order, in C (a
+    reordered table does not: it is rewritten, as it should be)."""
+    now = obj if isinstance(obj, (list, dict)) else obj.__dict__
+    if len(now) != len(copy) or any(map(operator.is_not, now, copy)):
+        return False  # (a list's items, a table's keys)
+    return isinstance(obj, list) or not any(map(operator.is_not, now.values(), copy.values()))
 
 
 def capture(module: nn.Module, args: tuple, kwargs: dict, host_rng: bool = False) -> State:
